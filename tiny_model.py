@@ -1,0 +1,196 @@
+"""tiny_model.py: the embedded default model, built locally, never downloaded.
+
+    python tiny_model.py                  # build (or reuse) .cache/tiny-qwen2, print size and accuracy
+    python tiny_model.py --force          # rebuild
+
+A small Qwen2-architecture causal LM (4 layers, hidden 128, 2 heads of head_dim 64; vLLM's CPU
+attention rejects head_dim 16) with a character-level tokenizer saved as tokenizer.json, written as
+a Hugging Face model dir (config.json, model.safetensors, tokenizer files) that vLLM and transformers
+both load. Weights are float32 so that engine and trainer logprobs agree to ~1e-6.
+
+A short supervised warm start on the default task (task.py) gives the model some skill, the way RL
+starts from a base model rather than from noise; it is deliberately stopped early so RL has room to
+grow. Deterministic given the seed (single-threaded CPU training). The dir is cached and rebuilt only
+when missing or when the build settings change (a hash of them is stored in build.json).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import task
+
+SPECIALS = ["<pad>", "<eos>"]
+# digits and arithmetic first; letters and punctuation so text environments can speak too
+CHARS = list("0123456789+-*=") + list("abcdefghijklmnopqrstuvwxyz") + list(" .,:;!?()<>/'\n")
+VOCAB = SPECIALS + CHARS
+VOCAB_SIZE = 64  # padded up: a multiple of 8 keeps kernels happy
+assert len(VOCAB) <= VOCAB_SIZE
+
+
+@dataclass
+class TinyConfig:
+    seed: int = 0                 # seeds weights and the warm-start data
+    num_layers: int = 4
+    hidden: int = 128
+    num_heads: int = 2            # head_dim = hidden / num_heads = 64
+    intermediate: int = 512
+    max_len: int = 128            # max_position_embeddings, also the engine's max_model_len
+    sft_steps: int = 1000         # warm-start optimizer steps: few enough to leave room for RL
+    sft_batch: int = 64
+    sft_lr: float = 1e-3
+    digits: tuple = (1, 2, 3)     # operand digit counts of the default task
+
+
+DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
+
+
+def build_tokenizer():
+    """Character-level tokenizer: every character is a token; decode concatenates."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token=None, unk_token="<pad>", clean_up_tokenization_spaces=False)
+
+
+def build_model(cfg: TinyConfig):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_cfg = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_len,
+        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        torch_dtype="float32", rope_theta=10000.0,
+    )
+    torch.manual_seed(cfg.seed)
+    return Qwen2ForCausalLM(hf_cfg).float()
+
+
+def encode_sft_batch(tokenizer, problems: list[task.Problem]):
+    """prompt+answer+<eos>, loss only on answer tokens. Returns input_ids, labels [B, T]."""
+    seqs, labels = [], []
+    for p in problems:
+        prompt_ids = tokenizer.encode(p.prompt)
+        answer_ids = tokenizer.encode(p.answer) + [tokenizer.eos_token_id]
+        seqs.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(len(s) for s in seqs)
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    label_ids = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    return input_ids, label_ids
+
+
+@torch.no_grad()
+def sample_accuracy(model, tokenizer, problems: list[task.Problem], greedy: bool, seed: int = 0,
+                    max_new_tokens: int = 8) -> float:
+    """Accuracy of the model's completions (temperature 1 sampling, or greedy) on the problems.
+
+    Left-padded batched decoding with a plain loop; the default task's answers are a few tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    out = [[] for _ in problems]
+    done = torch.zeros(len(problems), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1, :]
+        nxt = logits.argmax(-1) if greedy else torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0]
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                if t == tokenizer.eos_token_id:
+                    done[i] = True
+                else:
+                    out[i].append(t)
+        if done.all():
+            break
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+    texts = [tokenizer.decode(o) for o in out]
+    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
+
+
+def _build_hash(cfg: TinyConfig) -> str:
+    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None = None,
+                      force: bool = False, log=print) -> Path:
+    """Return a built model dir, building it first when missing or stale. Safe against crashes:
+    the dir is written under a temporary name and renamed into place when complete."""
+    cfg = cfg or TinyConfig()
+    out_dir = Path(out_dir)
+    meta_path = out_dir / "build.json"
+    if not force and meta_path.exists() and json.loads(meta_path.read_text()).get("hash") == _build_hash(cfg):
+        return out_dir
+
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic reductions
+    tokenizer = build_tokenizer()
+    model = build_model(cfg)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"tiny model: building {num_params / 1e6:.2f}M params, {cfg.sft_steps} warm-start steps -> {out_dir}")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    data = task.make_problems(cfg.sft_steps * cfg.sft_batch, seed=cfg.seed + 1, digits=cfg.digits)
+    model.train()
+    for step in range(cfg.sft_steps):
+        lr = cfg.sft_lr * min(1.0, (step + 1) / 30)  # short warmup
+        for group in opt.param_groups:
+            group["lr"] = lr
+        input_ids, labels = encode_sft_batch(tokenizer, data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch])
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != 0).long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == cfg.sft_steps - 1:
+            log(f"  warm-start step {step:4d}/{cfg.sft_steps} loss {loss.item():.3f}")
+    model.eval()
+
+    eval_set = task.make_problems(256, seed=cfg.seed + 2, digits=cfg.digits)
+    acc_sampled = sample_accuracy(model, tokenizer, eval_set, greedy=False)
+    acc_greedy = sample_accuracy(model, tokenizer, eval_set, greedy=True)
+    build_s = time.time() - t0
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    meta = {"hash": _build_hash(cfg), "config": asdict(cfg), "num_params": num_params,
+            "build_s": round(build_s, 1), "acc_sampled": acc_sampled, "acc_greedy": acc_greedy}
+    (tmp / "build.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    torch.set_num_threads(threads)
+    log(f"tiny model: {num_params / 1e6:.2f}M params, built in {build_s:.0f}s, "
+        f"starting accuracy {acc_sampled:.0%} sampled (T=1), {acc_greedy:.0%} greedy")
+    return out_dir
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=str(DEFAULT_DIR), help="where to write the model dir")
+    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sft-steps", type=int, default=TinyConfig.sft_steps)
+    ap.add_argument("--quiet", action="store_true", help="print nothing when the cached model is reused")
+    args = ap.parse_args()
+    path = ensure_tiny_model(args.out_dir, TinyConfig(seed=args.seed, sft_steps=args.sft_steps), force=args.force)
+    if not args.quiet:
+        print(json.dumps(json.loads((path / "build.json").read_text()), indent=2))
