@@ -1,0 +1,332 @@
+"""buffer.py: the SampleBuffer. Shared task and sample queues, per-sample versions, freshness.
+
+    controller (trainer rank 0)                      rollout ranks (env_manager.py)
+      put_task(RolloutTask)  ---- task queue ---->     get_task()
+      get_sample()           <--- sample queue ----    put_sample(Sample)
+      send_command(rank, ..) ---- command queues -->   get_command()        (weight sync, stop)
+      get_ack()              <--- ack queue -------    put_ack(...)
+
+Transport is a small swappable detail:
+- LocalQueues: asyncio queues in one process (unit tests and sim.py, including virtual time);
+- ManagerQueues: multiprocessing.managers queues served over TCP by trainer rank 0 on the master
+  address with an authkey (train.py under torchrun, also across nodes). Calls from asyncio code poll
+  get_nowait with a short sleep, so an event loop is never blocked by a queue.
+Both are wrapped by `Buffer`, whose methods are async and all take a timeout: a queue that stays
+empty past it raises TimeoutError naming the queue and the caller.
+
+Freshness (the paper's async ratio alpha): a sample is usable for the update that produces version
+v + 1 (trainer at version v) only if its oldest token came from a policy no older than v - alpha.
+`Buffer.fresh(sample, version)` is the one place that rule lives; the controller drops and counts
+samples that fail it, and the env managers abort running work that can no longer pass it.
+"""
+
+import asyncio
+import queue
+import time
+from dataclasses import dataclass, field
+from multiprocessing.managers import BaseManager
+
+from task import Problem
+
+
+@dataclass
+class RolloutTask:
+    """One unit of rollout work on the task queue."""
+    task_id: str              # unique
+    group_id: str             # the prompt: a GRPO group is all samples of one group_id
+    problem: Problem
+    num_samples: int = 1      # 1 with prompt replication; group_size for the batch baseline
+    admit_version: int = 0    # policy version when the controller admitted it
+    env: str = ""             # "" = single-turn RLVR; else an environment name (env_manager.ENVS)
+
+
+@dataclass
+class Sample:
+    """One finished trajectory, ready for training."""
+    task_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]           # model tokens, and for multi-turn also observation tokens
+    logprobs: list[float]             # behaviour logprob per response token (0 on observations)
+    loss_mask: list[int]              # 1 on model tokens, 0 on observation tokens
+    versions: list[int]               # policy version per model token
+    reward: float
+    finish_reason: str = "stop"
+    rank: int = -1                    # rollout rank that produced it
+    num_turns: int = 1
+    admit_version: int = 0
+    failed: bool = False              # env raised or timed out: recorded, never trained on
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else self.admit_version
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
+    """Freshness rule: usable by the trainer at `version` iff oldest >= version - async_ratio."""
+    return sample_oldest_version >= version - async_ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# transports
+
+
+QUEUE_NAMES = ("tasks", "samples", "acks")
+
+
+class LocalQueues:
+    """In-process asyncio queues (tests, simulator). num_ranks command queues, one per rollout rank."""
+
+    def __init__(self, num_ranks: int):
+        self.queues = {name: asyncio.Queue() for name in QUEUE_NAMES}
+        self.commands = [asyncio.Queue() for _ in range(num_ranks)]
+
+    def q(self, name: str, rank: int | None = None):
+        return self.commands[rank] if name == "commands" else self.queues[name]
+
+    async def put(self, name, item, rank=None):
+        self.q(name, rank).put_nowait(item)
+
+    async def get(self, name, rank=None):
+        return await self.q(name, rank).get()
+
+    def get_nowait(self, name, rank=None):
+        try:
+            return self.q(name, rank).get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    def qsize(self, name, rank=None) -> int:
+        return self.q(name, rank).qsize()
+
+
+class _QueueManager(BaseManager):
+    pass
+
+
+_SERVED: dict[str, queue.Queue] = {}
+
+
+def _served(name: str) -> queue.Queue:
+    return _SERVED.setdefault(name, queue.Queue())
+
+
+_QueueManager.register("get_queue", callable=_served)
+
+
+class ManagerQueues:
+    """Queues served over TCP by a multiprocessing manager (train.py). The server side (trainer
+    rank 0) calls serve(); every other rank connect()s with the same address and authkey."""
+
+    POLL_S = 0.005
+
+    def __init__(self, manager: BaseManager, num_ranks: int):
+        self.manager = manager
+        self.queues = {name: manager.get_queue(name) for name in QUEUE_NAMES}
+        self.commands = [manager.get_queue(f"commands{r}") for r in range(num_ranks)]
+
+    @classmethod
+    def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int) -> "ManagerQueues":
+        m = _QueueManager(address=(host, port), authkey=authkey)
+        m.start()
+        return cls(m, num_ranks)
+
+    @classmethod
+    def connect(cls, host: str, port: int, authkey: bytes, num_ranks: int, timeout_s: float = 120) -> "ManagerQueues":
+        deadline = time.monotonic() + timeout_s
+        while True:  # the server may not be up yet: retry until the deadline
+            try:
+                m = _QueueManager(address=(host, port), authkey=authkey)
+                m.connect()
+                return cls(m, num_ranks)
+            except (ConnectionRefusedError, OSError) as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"buffer: could not reach the queue server at {host}:{port} "
+                                       f"within {timeout_s:.0f}s ({e})") from None
+                time.sleep(0.5)
+
+    def q(self, name: str, rank: int | None = None):
+        return self.commands[rank] if name == "commands" else self.queues[name]
+
+    async def put(self, name, item, rank=None):
+        self.q(name, rank).put(item)
+
+    async def get(self, name, rank=None):
+        q = self.q(name, rank)
+        while True:
+            item = self.get_nowait_q(q)
+            if item is not None:
+                return item
+            await asyncio.sleep(self.POLL_S)
+
+    @staticmethod
+    def get_nowait_q(q):
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def get_nowait(self, name, rank=None):
+        return self.get_nowait_q(self.q(name, rank))
+
+    def qsize(self, name, rank=None) -> int:
+        return self.q(name, rank).qsize()
+
+    def shutdown(self):
+        if hasattr(self.manager, "shutdown"):
+            try:
+                self.manager.shutdown()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the buffer: named operations with timeouts over either transport
+
+
+class Buffer:
+    def __init__(self, transport, who: str = "?", timeout_s: float = 600.0):
+        self.t = transport
+        self.who = who              # e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
+        self.timeout_s = timeout_s
+
+    async def _get(self, name: str, phase: str, rank=None, timeout: float | None = None):
+        timeout = self.timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(self.t.get(name, rank), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s during {phase}") from None
+
+    # controller side
+    async def put_task(self, t: RolloutTask):
+        await self.t.put("tasks", t)
+
+    async def get_sample(self, timeout: float | None = None) -> Sample:
+        return await self._get("samples", "collect samples", timeout=timeout)
+
+    def get_sample_nowait(self) -> Sample | None:
+        return self.t.get_nowait("samples")
+
+    async def send_command(self, rank: int, cmd: dict):
+        await self.t.put("commands", cmd, rank)
+
+    async def get_ack(self, phase: str, timeout: float | None = None) -> dict:
+        return await self._get("acks", phase, timeout=timeout)
+
+    def num_queued_tasks(self) -> int:
+        return self.t.qsize("tasks")
+
+    # rollout side
+    async def get_task(self, timeout: float | None = None) -> RolloutTask:
+        return await self._get("tasks", "wait for a task", timeout=timeout)
+
+    def get_task_nowait(self) -> RolloutTask | None:
+        return self.t.get_nowait("tasks")
+
+    async def put_sample(self, s: Sample):
+        await self.t.put("samples", s)
+
+    def get_command_nowait(self, rank: int) -> dict | None:
+        return self.t.get_nowait("commands", rank)
+
+    async def put_ack(self, ack: dict):
+        await self.t.put("acks", ack)
+
+
+# ---------------------------------------------------------------------------------------------
+# group assembly (GRPO) with the freshness rule and dynamic filtering
+
+
+class GroupAssembler:
+    """Collects samples into GRPO groups of `group_size` by group_id.
+
+    - A sample that is not fresh at the current version is dropped and counted; its whole group
+      can no longer complete, so the rest of that group is dropped (and counted) as well.
+    - A complete group whose rewards are all equal carries no GRPO signal: filtered (DAPO's dynamic
+      sampling) and counted, when `filter_equal`.
+    - take() re-checks freshness against the version it is given, so a group that completed under
+      an older version and then went stale is never returned.
+    - Redundant rollout runs more samples of a group than it needs: the first `group_size` to
+      arrive make the group; later ones are surplus, dropped and counted.
+    Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or
+    one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus).
+    """
+
+    def __init__(self, group_size: int, async_ratio: int, filter_equal: bool = True):
+        self.group_size = group_size
+        self.async_ratio = async_ratio
+        self.filter_equal = filter_equal
+        self.pending: dict[str, list[Sample]] = {}
+        self.ready: list[list[Sample]] = []
+        self.dead: set[str] = set()       # groups dropped as stale
+        self.closed: set[str] = set()     # groups completed (ready, taken or filtered)
+        self.samples_dropped_stale = 0
+        self.samples_filtered = 0
+        self.samples_failed = 0
+        self.samples_surplus = 0
+        self.groups_filtered = 0
+        self.groups_dropped_stale = 0
+
+    def _fresh(self, s: Sample, version: int) -> bool:
+        return fresh(s.oldest_version, version, self.async_ratio)
+
+    def _kill(self, group_id: str, samples: list[Sample]):
+        self.dead.add(group_id)
+        self.samples_dropped_stale += len(samples)
+        self.groups_dropped_stale += 1
+
+    def add(self, s: Sample, version: int):
+        if s.failed:
+            self.samples_failed += 1
+            return
+        if s.group_id in self.dead:
+            self.samples_dropped_stale += 1
+            return
+        if s.group_id in self.closed:
+            self.samples_surplus += 1
+            return
+        group = self.pending.setdefault(s.group_id, [])
+        group.append(s)
+        if not self._fresh(s, version):
+            self._kill(s.group_id, self.pending.pop(s.group_id))
+            return
+        if len(group) == self.group_size:
+            del self.pending[s.group_id]
+            self.closed.add(s.group_id)
+            if self.filter_equal and len({x.reward for x in group}) == 1:
+                self.groups_filtered += 1
+                self.samples_filtered += len(group)
+            else:
+                self.ready.append(group)
+
+    def evict_stale(self, version: int) -> list[str]:
+        """Drop pending and ready groups holding a sample that is stale at `version`; returns
+        the dropped group ids (the env managers abort their still-running samples)."""
+        dropped = []
+        for gid, group in list(self.pending.items()):
+            if not all(self._fresh(s, version) for s in group):
+                self._kill(gid, self.pending.pop(gid))
+                dropped.append(gid)
+        keep = []
+        for group in self.ready:
+            if all(self._fresh(s, version) for s in group):
+                keep.append(group)
+            else:
+                self._kill(group[0].group_id, group)
+                dropped.append(group[0].group_id)
+        self.ready = keep
+        return dropped
+
+    def take(self, num_groups: int, version: int) -> list[list[Sample]]:
+        """Up to num_groups complete, fresh groups, oldest first."""
+        self.evict_stale(version)
+        out, self.ready = self.ready[:num_groups], self.ready[num_groups:]
+        return out
+
+    def num_ready(self) -> int:
+        return len(self.ready)
