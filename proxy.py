@@ -142,6 +142,10 @@ class VLLMEngine:
               kv_cache_gib: int = 1, seed: int = 0, **engine_kwargs) -> "VLLMEngine":
         # On CPU, vLLM sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); the default is large.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        # the engine's worker process imports WeightLoaderExtension from this file by name
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -1,0 +1,360 @@
+"""env_manager.py: the rollout side of one rank. Many concurrent trajectory loops over one LLMProxy.
+
+    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), weight_sync=sync)
+    stats = await mgr.run()        # until the controller sends {"cmd": "stop"}
+
+Control loop (run): every `poll_s` (or at once when a slot frees) it
+- handles commands from this rank's command queue: "sync" (weight update, then abort work that
+  can never be fresh again), "abort_groups" (the controller no longer wants these groups), "stop";
+- pulls RolloutTasks from the shared task queue while it has free slots, each into its own asyncio
+  task. A task with num_samples n takes n slots.
+Nothing waits for anything else: every trajectory is generated, rewarded and put on the sample
+queue the moment it ends (queue scheduling). The controller issues a group's samples as separate
+tasks, so they spread over every rank pulling from the queue (prompt replication). The one barrier
+is deliberate: a task with num_samples > 1 (the batch baseline the paper compares against) is
+generated here in full and its samples are put together when the last one ends.
+
+A trajectory is its own loop (environment-level async rollout):
+
+    obs = env.reset(seed); repeat: action = generate(prompt + response so far); obs, r, done = env.step(action)
+
+    prompt_ids   = tokens of the first observation
+    response_ids = action 1 + obs 2 + action 2 + obs 3 + ... + action k
+    loss_mask    = 1 on action tokens, 0 on observation tokens
+    logprobs     = the engine's behaviour logprob on action tokens, 0.0 on observation tokens
+    versions     = policy version of each ACTION token only (len == sum(loss_mask)), as buffer.Sample
+    reward       = sum of step rewards, clipped into [0, 1]  (single-turn: the verifier reward)
+
+The model's EOS token is an action (it is how the model learns to stop): it stays in response_ids
+with its logprob and mask 1, and is removed only from the text the env sees. A trajectory stops when
+the env says done, after max_turns turns, or when the next turn would not fit max_total_tokens
+(finish_reason "length"; the reward so far stands). Problem.target_len > 0 (benchmarks) makes every
+turn generate exactly that many tokens (ignore_eos), still capped by max_total_tokens.
+
+Failures: an env call (reset or step) that raises or exceeds env_step_timeout_s fails the
+trajectory: counted, reported as a Sample with failed=True (never trained on; the GroupAssembler
+counts it) and rerun with a fresh env instance, up to max_retries times. An engine failure
+(proxy.EngineError) is not an env failure: run() raises it, naming the rank.
+
+Aborts (sync staleness, abort_groups, stop) end the engine request with proxy.abort and cancel the
+trajectory's asyncio task; its slots are freed and no sample is sent.
+
+Simplifications and deviations, on purpose:
+- The env seed comes from a stable hash of the group_id, not the task_id: every sample of a GRPO
+  group must play the same game (same "prompt"), whether the group is spread over ranks as
+  replicated tasks or generated here as one num_samples=n task. Retries reuse the seed.
+- While a turn is being generated its tokens are inside the proxy, so the staleness check on a sync
+  uses the trajectory's first known token version, or the proxy version when it started. Versions
+  only grow, so this never keeps stale work; it can abort a trajectory whose first token would have
+  been one version newer (it started during a suspend), which costs a little work and is rare.
+- A task whose num_samples does not fit the free slots is held (not returned to the queue) until
+  enough slots free; num_samples > max_concurrency is an error.
+- Group ids from abort_groups are remembered for the whole run, so a queued surplus task of an
+  aborted group is dropped when pulled (counted as tasks_skipped) instead of being generated.
+- A prompt that leaves no room for one token under max_total_tokens is an env failure (retried,
+  pointlessly, up to max_retries: it is a data error and the failed samples make it visible).
+- Observations are tokenized with add_special_tokens=False; chat templates are out of scope.
+"""
+
+import asyncio
+import hashlib
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from buffer import RolloutTask, Sample
+from envs import ENVS
+from proxy import Sampling
+
+
+@dataclass
+class RolloutConfig:
+    max_concurrency: int = 64          # trajectories in flight on this rank (a task with num_samples n takes n slots)
+    max_tokens: int = 8                # response budget per model turn, tokens
+    temperature: float = 1.0           # sampling temperature; keep 1.0 so logprobs are the policy's
+    async_ratio: int = 1               # freshness bound: work whose oldest version < version - async_ratio is aborted
+    env_step_timeout_s: float = 30.0   # an env step (or reset) slower than this fails the trajectory, seconds
+    max_retries: int = 2               # a failed trajectory is replaced (rerun with a fresh env) up to this many times
+    reward_workers: int = 0            # >0: single-turn rewards computed in a ProcessPoolExecutor of this size; 0: inline
+    max_turns: int = 8                 # multi-turn cap, model turns per trajectory
+    max_total_tokens: int = 120        # prompt + whole trajectory cap, tokens (tiny model: max_model_len 128)
+    poll_s: float = 0.01               # control loop period: command and task queue polling, seconds
+    sync_timeout_s: float = 600.0      # a weight_sync call longer than this is an error, seconds
+    stop_timeout_s: float = 60.0       # on stop/crash, wait this long for cancelled trajectories to unwind, seconds
+
+    def __post_init__(self):
+        for name in ("max_concurrency", "max_tokens", "max_turns", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("async_ratio", "max_retries", "reward_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("temperature", "env_step_timeout_s", "poll_s", "sync_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+def env_seed(group_id: str) -> int:
+    """Stable across processes and runs (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(group_id.encode()).digest()[:4], "little")
+
+
+class EnvFailure(Exception):
+    """An env call raised or timed out: the trajectory fails and is retried."""
+
+    def __init__(self, msg: str, timeout: bool = False):
+        super().__init__(msg)
+        self.timeout = timeout
+
+
+class _Aborted(Exception):
+    """The trajectory's request was aborted by a command; the task is being cancelled."""
+
+
+@dataclass
+class _Traj:
+    """A trajectory as it grows; becomes a Sample when it ends."""
+    start_version: int
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    num_turns: int = 0
+    finish_reason: str = "length"
+    request_id: str | None = None      # the engine request in flight, if any
+
+    @property
+    def oldest_version(self) -> int:
+        return self.versions[0] if self.versions else self.start_version
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
+        """Append action tokens (with logprobs and versions) or observation tokens (without)."""
+        self.response_ids += ids
+        if versions is None:
+            self.logprobs += [0.0] * len(ids)
+            self.loss_mask += [0] * len(ids)
+        else:
+            self.logprobs += logprobs
+            self.loss_mask += [1] * len(ids)
+            self.versions += versions
+
+
+class EnvManager:
+    def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, weight_sync=None,
+                 env_wrappers=None, env_kwargs: dict | None = None):
+        self.proxy = proxy
+        self.buffer = buffer
+        self.tok = tokenizer
+        self.rank = rank
+        self.cfg = cfg
+        self.weight_sync = weight_sync          # async (cmd) -> None: suspend, load, resume (train.py)
+        self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
+        self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
+        self.pool = ProcessPoolExecutor(cfg.reward_workers) if cfg.reward_workers > 0 else None
+        self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
+        self.trajs: dict[str, dict[int, _Traj]] = {}                 # task_id -> sample index -> live trajectory
+        self.aborted_groups: set[str] = set()
+        self.held: RolloutTask | None = None    # pulled, waiting for enough free slots
+        self.slots_used = 0
+        self.error: BaseException | None = None
+        self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
+        self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
+                             aborted_stale=0, aborted_by_request=0, env_timeouts=0)
+
+    def stats(self) -> dict:
+        return {**self.counters, "in_flight": self.slots_used, "proxy": self.proxy.stats()}
+
+    # --- control loop
+
+    async def run(self) -> dict:
+        try:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
+                cmd = self.buffer.get_command_nowait(self.rank)
+                if cmd is not None:
+                    if await self._handle(cmd):
+                        break
+                    continue
+                self._pull_tasks()
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self._abort(list(self.jobs), counter=None)
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+        await self.buffer.put_ack({"rank": self.rank, "phase": "stopped"})
+        return self.stats()
+
+    async def _handle(self, cmd: dict) -> bool:
+        """Run one command; True means stop."""
+        kind = cmd.get("cmd")
+        if kind == "stop":
+            return True
+        if kind == "sync":
+            v = cmd["version"]
+            if self.weight_sync is not None:
+                try:
+                    await asyncio.wait_for(self.weight_sync(cmd), self.cfg.sync_timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {v} took longer "
+                                       f"than {self.cfg.sync_timeout_s:.0f}s") from None
+            stale = [tid for tid in self.jobs if self._oldest_version(tid) < v - self.cfg.async_ratio]
+            await self._abort(stale, "aborted_stale")
+            await self.buffer.put_ack({"rank": self.rank, "phase": "synced", "version": v})
+        elif kind == "abort_groups":
+            groups = set(cmd["group_ids"])
+            self.aborted_groups |= groups
+            await self._abort([tid for tid, (t, _) in self.jobs.items() if t.group_id in groups], "aborted_by_request")
+        else:
+            raise ValueError(f"rollout rank {self.rank}: unknown command {cmd!r}")
+        return False
+
+    def _pull_tasks(self):
+        """Start tasks while there are free slots; never waits (the queue is polled)."""
+        while self.slots_used < self.cfg.max_concurrency:
+            t = self.held or self.buffer.get_task_nowait()
+            self.held = None
+            if t is None:
+                return
+            if t.group_id in self.aborted_groups:
+                self.counters["tasks_skipped"] += 1
+                continue
+            if t.num_samples > self.cfg.max_concurrency:
+                raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
+                                 f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
+            if self.slots_used + t.num_samples > self.cfg.max_concurrency:
+                self.held = t
+                return
+            self._start(t)
+
+    def _start(self, t: RolloutTask):
+        self.slots_used += t.num_samples
+        self.counters["tasks_started"] += 1
+        self.trajs[t.task_id] = {}
+        job = asyncio.get_running_loop().create_task(self._run_task(t), name=f"rank{self.rank}:{t.task_id}")
+        self.jobs[t.task_id] = (t, job)
+        job.add_done_callback(lambda j, t=t: self._on_done(t, j))
+
+    def _on_done(self, t: RolloutTask, job: asyncio.Task):
+        """Free the slots whatever happened (done, failed, aborted); remember a crash for run()."""
+        self.slots_used -= t.num_samples
+        self.jobs.pop(t.task_id, None)
+        self.trajs.pop(t.task_id, None)
+        if not job.cancelled() and isinstance(job.exception(), Exception) \
+                and not isinstance(job.exception(), _Aborted) and self.error is None:
+            self.error = job.exception()
+        self.wake.set()
+
+    def _oldest_version(self, task_id: str) -> int:
+        trajs = self.trajs.get(task_id, {})
+        return min((tr.oldest_version for tr in trajs.values()), default=self.proxy.version)
+
+    async def _abort(self, task_ids: list[str], counter: str | None):
+        """End these tasks: abort their engine requests first (so the engine drops them), then
+        cancel their loops and wait for them to unwind. No sample is sent for them."""
+        jobs = [self.jobs[tid] for tid in task_ids if tid in self.jobs]
+        if not jobs:
+            return
+        rids = [tr.request_id for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values() if tr.request_id]
+        for t, job in jobs:
+            job.cancel()           # request before any await: the job cannot send a sample after this
+            if counter:
+                self.counters[counter] += t.num_samples
+        if rids and self.proxy.status.value != "stopped":
+            await self.proxy.abort(rids)
+        done, pending = await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s)
+        if pending:
+            raise TimeoutError(f"rollout rank {self.rank}: {len(pending)} aborted trajectories did not end "
+                               f"within {self.cfg.stop_timeout_s:.0f}s during abort")
+
+    # --- one task: one trajectory, or n of them with a group barrier (batch baseline)
+
+    async def _run_task(self, t: RolloutTask):
+        subs = [asyncio.ensure_future(self._run_sample(t, i)) for i in range(t.num_samples)]
+        try:
+            samples = await asyncio.gather(*subs)
+        finally:
+            for s in subs:         # on abort or crash, siblings end too
+                s.cancel()
+        for s in samples:          # num_samples > 1: all n together, on purpose (the baseline's barrier)
+            if s is not None:
+                await self.buffer.put_sample(s)
+                self.counters["samples_sent"] += 1
+
+    async def _run_sample(self, t: RolloutTask, idx: int) -> Sample | None:
+        """One sample: a trajectory, rerun with a fresh env after each env failure up to max_retries."""
+        for attempt in range(self.cfg.max_retries + 1):
+            tr = _Traj(start_version=self.proxy.version)
+            self.trajs[t.task_id][idx] = tr
+            try:
+                return await self._rollout(t, idx, attempt, tr)
+            except EnvFailure as e:
+                retrying = attempt < self.cfg.max_retries
+                self.counters["samples_failed"] += 1
+                self.counters["env_timeouts"] += e.timeout
+                self.counters["retries"] += retrying
+                await self.buffer.put_sample(Sample(
+                    t.task_id, t.group_id, tr.prompt_ids, [], [], [], [], 0.0, finish_reason="failed",
+                    rank=self.rank, num_turns=tr.num_turns, admit_version=t.admit_version, failed=True,
+                    meta={"error": str(e), "attempt": attempt, "retrying": retrying, "sample_index": idx}))
+        return None
+
+    def _make_env(self, t: RolloutTask):
+        if t.env not in ENVS:
+            raise ValueError(f"rollout rank {self.rank}: task {t.task_id} asks for env {t.env!r}; "
+                             f"known: {sorted(ENVS)}")
+        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_executor=self.pool, **self.env_kwargs)
+        return self.env_wrappers(env) if self.env_wrappers else env
+
+    async def _env_call(self, coro, phase: str, t: RolloutTask):
+        """Await an env call under env_step_timeout_s; any failure becomes EnvFailure."""
+        where = f"rollout rank {self.rank}: env {t.env or 'single-turn'!r} {phase} (task {t.task_id})"
+        try:
+            return await asyncio.wait_for(coro, self.cfg.env_step_timeout_s)
+        except asyncio.TimeoutError:
+            raise EnvFailure(f"{where} took longer than {self.cfg.env_step_timeout_s:g}s", timeout=True) from None
+        except Exception as e:    # CancelledError is not an Exception: aborts pass through
+            raise EnvFailure(f"{where} raised {e!r}") from e
+
+    def _turn_sampling(self, t: RolloutTask, room: int) -> Sampling:
+        if t.problem.target_len > 0:   # benchmark: exactly target_len tokens per turn
+            return Sampling(min(t.problem.target_len, room), self.cfg.temperature, ignore_eos=True)
+        return Sampling(min(self.cfg.max_tokens, room), self.cfg.temperature)
+
+    async def _rollout(self, t: RolloutTask, idx: int, attempt: int, tr: _Traj) -> Sample:
+        env = self._make_env(t)
+        obs = await self._env_call(env.reset(env_seed(t.group_id)), "reset", t)
+        tr.prompt_ids = self.tok.encode(obs)
+        cap = self.cfg.max_total_tokens
+        if len(tr.prompt_ids) >= cap:
+            raise EnvFailure(f"rollout rank {self.rank}: task {t.task_id}: prompt of {len(tr.prompt_ids)} "
+                             f"tokens leaves no room under max_total_tokens={cap}")
+        for turn in range(self.cfg.max_turns):
+            room = cap - len(tr.prompt_ids) - len(tr.response_ids)
+            tr.request_id = f"r{self.rank}-{t.task_id}-{idx}-a{attempt}-t{turn}"
+            c = await self.proxy.generate(tr.prompt_ids + tr.response_ids, self._turn_sampling(t, room),
+                                          request_id=tr.request_id)
+            tr.request_id = None
+            if c.finish_reason == "abort":
+                raise _Aborted(tr.request_id)
+            tr.add(c.token_ids, c.logprobs, c.versions)
+            text = self.tok.decode(c.token_ids, skip_special_tokens=True)   # EOS: trained on, not shown to env
+            obs, r, done, _ = await self._env_call(env.step(text), f"step {turn}", t)
+            tr.reward += r
+            tr.num_turns += 1
+            if done:
+                tr.finish_reason = c.finish_reason
+                break
+            obs_ids = self.tok.encode(obs, add_special_tokens=False)
+            if len(tr.prompt_ids) + len(tr.response_ids) + len(obs_ids) + 1 > cap:
+                break                  # no room for the observation and one more action token: "length"
+            tr.add(obs_ids)
+        return Sample(t.task_id, t.group_id, tr.prompt_ids, tr.response_ids, tr.logprobs, tr.loss_mask,
+                      tr.versions, min(1.0, max(0.0, tr.reward)), finish_reason=tr.finish_reason, rank=self.rank,
+                      num_turns=tr.num_turns, admit_version=t.admit_version,
+                      meta={"attempt": attempt, "sample_index": idx})

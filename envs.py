@@ -1,0 +1,189 @@
+"""envs.py: environments for rollout (env_manager.py runs one trajectory loop per env instance).
+
+    class Env:
+        async def reset(self, seed: int) -> str                                  # first observation
+        async def step(self, action: str) -> tuple[str, float, bool, dict]       # obs, reward, done, info
+
+The interface is async so that an environment that waits (a sandbox, a web page, or LatencyEnv's
+injected delay) yields the event loop: while one trajectory waits for its env, the engine keeps
+decoding for the others (the paper's environment-level asynchronous rollout).
+
+What is here:
+- SingleTurnEnv: RLVR as the one-step case: the prompt is the observation, the verifier reward
+  of the one answer is the step reward (optionally computed in a process pool).
+- GuessEnv ("guess"): find a secret number in 0..99 from "higher"/"lower" hints; reward
+  0.9 ** (guesses - 1) when found, so shorter searches score more.
+- ChainEnv ("chain"): a running sum, one addition per turn ("7+5=", then "+3=", ...); reward is the
+  fraction of steps answered correctly; a wrong step is told the true partial sum so the chain
+  can go on. The first step is the default task's format, which the tiny model already knows.
+- LatencyEnv: wrapper adding a normal(mean, std) delay, clipped at 0, to every reset and step.
+- FaultyEnv: wrapper that raises or hangs forever at given per-call rates.
+- ENVS: plain dict name -> factory(problem, seed, **kwargs) -> Env.
+
+All text uses only tiny_model.CHARS (digits, lowercase, "+-*=" and " .,:;!?()<>/'\\n"), so the
+character-level tiny model can read every observation. Every game is deterministic given the seed.
+
+Simplifications, on purpose:
+- The games generate their own state from the seed and ignore the Problem (the controller's
+  prompts still give each group its id, and env_manager derives the seed from that id).
+- LatencyEnv clips negative draws to 0 rather than redrawing, so with mean=10, std=10 (the paper's
+  setting) the realised mean is about 10.8 s, not 10 s.
+- FaultyEnv draws one failure per call, for reset as well as step: a hung reset is as real a
+  failure as a hung step (a sandbox that never boots).
+"""
+
+import asyncio
+import random
+import re
+
+import task
+
+# ---------------------------------------------------------------------------------------------
+# single-turn RLVR
+
+
+class SingleTurnEnv:
+    """One step: the prompt, one answer, the verifier reward in [0, 1], done."""
+
+    def __init__(self, problem: task.Problem, reward_executor=None):
+        self.problem = problem
+        self.reward_executor = reward_executor   # a ProcessPoolExecutor, or None to score inline
+
+    async def reset(self, seed: int) -> str:
+        return self.problem.prompt
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        if self.reward_executor is None:
+            r = task.reward(self.problem, action)
+        else:  # a slow verifier (math-verify) must not hold up the event loop, hence the engine
+            r = await asyncio.get_running_loop().run_in_executor(
+                self.reward_executor, task.reward, self.problem, action)
+        return "", r, True, {}
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-turn games
+
+
+def _first_int(text: str) -> int | None:
+    m = re.search(r"-?\d+", text)
+    return int(m.group()) if m else None
+
+
+class GuessEnv:
+    """Guess the secret number in 0..99; the observation says "higher", "lower" or "correct"."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay        # reward per extra guess: 1, 0.9, 0.81, ...
+        self.secret = 0
+        self.guesses = 0
+
+    async def reset(self, seed: int) -> str:
+        self.secret = random.Random(seed).randrange(100)
+        self.guesses = 0
+        return "guess my number, 0 to 99:\n"
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        self.guesses += 1
+        g = _first_int(action)
+        if g is None:
+            return " say a number:\n", 0.0, False, {"valid": False}
+        if g == self.secret:
+            return " correct!\n", self.decay ** (self.guesses - 1), True, {"valid": True}
+        return (" higher:\n" if g < self.secret else " lower:\n"), 0.0, False, {"valid": True}
+
+
+class ChainEnv:
+    """A running sum over `steps` additions, one per turn; reward = fraction answered correctly."""
+
+    def __init__(self, steps: int = 3, max_operand: int = 20):
+        if steps < 1:
+            raise ValueError(f"ChainEnv.steps must be >= 1, got {steps}")
+        self.steps = steps
+        self.max_operand = max_operand   # operands drawn from 0..max_operand-1
+        self.terms: list[int] = []
+        self.i = 0                       # next step to answer, 0-based
+
+    async def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        self.terms = [rng.randrange(self.max_operand) for _ in range(self.steps + 1)]
+        self.i = 0
+        return f"{self.terms[0]}+{self.terms[1]}="
+
+    def _partial(self, step: int) -> int:
+        return sum(self.terms[: step + 2])
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        want = self._partial(self.i)
+        ok = _first_int(action) == want
+        r = (1.0 if ok else 0.0) / self.steps
+        self.i += 1
+        if self.i == self.steps:
+            return "", r, True, {"correct": ok}
+        hint = " ok\n" if ok else f" no, {want}\n"   # tell the true partial sum so the chain goes on
+        return f"{hint}+{self.terms[self.i + 1]}=", r, False, {"correct": ok}
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers used by the experiments (env_manager's env_wrappers)
+
+
+class LatencyEnv:
+    """Adds a delay ~ normal(mean_s, std_s), clipped at 0, before every reset and step (seconds)."""
+
+    def __init__(self, env, mean_s: float, std_s: float, rng: random.Random):
+        if mean_s < 0 or std_s < 0:
+            raise ValueError(f"LatencyEnv: mean_s and std_s must be >= 0, got {mean_s}, {std_s}")
+        self.env, self.mean_s, self.std_s, self.rng = env, mean_s, std_s, rng
+
+    async def _delay(self):
+        await asyncio.sleep(max(0.0, self.rng.gauss(self.mean_s, self.std_s)))
+
+    async def reset(self, seed: int) -> str:
+        await self._delay()
+        return await self.env.reset(seed)
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        await self._delay()
+        return await self.env.step(action)
+
+
+class EnvFault(RuntimeError):
+    """An injected environment failure (FaultyEnv)."""
+
+
+class FaultyEnv:
+    """Per call (reset or step): raises EnvFault with probability fail_rate, hangs forever with
+    probability hang_rate, else passes through."""
+
+    def __init__(self, env, fail_rate: float, hang_rate: float, rng: random.Random):
+        if fail_rate < 0 or hang_rate < 0 or fail_rate + hang_rate > 1:
+            raise ValueError(f"FaultyEnv: need rates >= 0 with fail_rate + hang_rate <= 1, "
+                             f"got fail_rate={fail_rate}, hang_rate={hang_rate}")
+        self.env, self.fail_rate, self.hang_rate, self.rng = env, fail_rate, hang_rate, rng
+
+    async def _maybe_fail(self, phase: str):
+        u = self.rng.random()
+        if u < self.fail_rate:
+            raise EnvFault(f"injected env failure during {phase}")
+        if u < self.fail_rate + self.hang_rate:
+            await asyncio.Event().wait()   # never set: only the caller's timeout ends this
+
+    async def reset(self, seed: int) -> str:
+        await self._maybe_fail("reset")
+        return await self.env.reset(seed)
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        await self._maybe_fail("step")
+        return await self.env.step(action)
+
+
+# ---------------------------------------------------------------------------------------------
+# name -> factory(problem, seed, **kwargs); RolloutTask.env picks one. Unknown kwargs are ignored,
+# so env_manager can pass the same kwargs (reward_executor) to every factory.
+
+ENVS = {
+    "": lambda problem, seed, reward_executor=None, **kw: SingleTurnEnv(problem, reward_executor),
+    "guess": lambda problem, seed, **kw: GuessEnv(),
+    "chain": lambda problem, seed, **kw: ChainEnv(),
+}

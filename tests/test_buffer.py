@@ -1,0 +1,108 @@
+"""buffer.py: the freshness rule, group assembly and the transports."""
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from buffer import Buffer, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, fresh
+from task import Problem
+
+
+def sample(gid: str, versions: list[int], reward: float = 0.0, failed: bool = False, i: int = 0) -> Sample:
+    return Sample(f"{gid}.{i}", gid, [1], [2] * len(versions), [-1.0] * len(versions), [1] * len(versions),
+                  versions, reward, failed=failed)
+
+
+def test_fresh_rule():
+    assert fresh(3, 5, 2) and not fresh(2, 5, 2) and fresh(5, 5, 0) and not fresh(4, 5, 0)
+
+
+# one operation of an interleaving: ("put", group, oldest version offset, reward) | ("bump",) | ("take", n)
+ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 5), st.integers(0, 4), st.integers(0, 1), st.booleans()),
+    st.tuples(st.just("bump")),
+    st.tuples(st.just("take"), st.integers(1, 3)),
+), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, async_ratio=st.integers(0, 3), group_size=st.integers(1, 3))
+def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_ratio, group_size):
+    asm = GroupAssembler(group_size, async_ratio)
+    version, added, returned = 0, 0, 0
+    for op in ops:
+        if op[0] == "put":
+            _, g, lag, reward, failed = op
+            # a sample's oldest version is at most the current version (tokens can't come from the future)
+            asm.add(sample(f"g{g}", [max(0, version - lag), version], float(reward), failed, added), version)
+            added += 1
+        elif op[0] == "bump":
+            version += 1
+            asm.evict_stale(version)
+        else:
+            for group in asm.take(op[1], version):
+                assert len(group) == group_size and len({s.group_id for s in group}) == 1
+                for s in group:
+                    assert s.oldest_version >= version - async_ratio, "returned a sample violating the async ratio"
+                    assert not s.failed
+                if group_size > 1:
+                    assert len({s.reward for s in group}) > 1, "an all-equal group reached training"
+                returned += len(group)
+    held = sum(len(g) for g in asm.pending.values()) + sum(len(g) for g in asm.ready)
+    counted = asm.samples_dropped_stale + asm.samples_filtered + asm.samples_failed + asm.samples_surplus
+    assert added == returned + held + counted, "a sample vanished without being counted"
+
+
+def test_group_assembly_filter_stale_and_surplus():
+    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm.add(sample("a", [0], 1.0), 0)
+    asm.add(sample("a", [0], 1.0), 0)          # all equal: filtered
+    assert asm.groups_filtered == 1 and asm.samples_filtered == 2 and asm.num_ready() == 0
+    asm.add(sample("b", [0], 1.0), 0)
+    asm.add(sample("b", [0], 0.0), 0)
+    asm.add(sample("b", [0], 0.0), 0)          # redundant third sample: surplus
+    assert asm.num_ready() == 1 and asm.samples_surplus == 1
+    asm.add(sample("c", [0], 1.0), 0)          # pending, will go stale
+    assert asm.evict_stale(2) == ["c", "b"]    # both hold version-0 samples, stale at version 2 with ratio 1
+    assert asm.take(5, 2) == [] and asm.samples_dropped_stale == 3
+    asm.add(sample("c", [2], 0.0), 2)          # late sample of a dropped group: counted, not kept
+    assert asm.samples_dropped_stale == 4 and not asm.pending
+
+
+def test_local_queues_buffer_roundtrip_and_timeout():
+    async def main():
+        b = Buffer(LocalQueues(num_ranks=2), who="test rank", timeout_s=0.05)
+        await b.put_task(RolloutTask("t0", "g0", Problem("1+1=", "2")))
+        assert (await b.get_task()).task_id == "t0"
+        assert b.get_task_nowait() is None
+        await b.send_command(1, {"cmd": "stop"})
+        assert b.get_command_nowait(0) is None and b.get_command_nowait(1) == {"cmd": "stop"}
+        with pytest.raises(TimeoutError, match="test rank.*samples"):
+            await b.get_sample()
+    asyncio.run(main())
+
+
+def test_manager_queues_over_tcp():
+    """The real transport: a manager process serving the queues on localhost with an authkey."""
+    import socket
+    with socket.socket() as sock:          # a free port on loopback
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ManagerQueues.serve("127.0.0.1", port, b"secret", num_ranks=1)
+    try:
+        client = ManagerQueues.connect("127.0.0.1", port, b"secret", num_ranks=1, timeout_s=10)
+
+        async def main():
+            b_srv, b_cli = Buffer(server, "server"), Buffer(client, "client")
+            await b_srv.put_task(RolloutTask("t1", "g1", Problem("2+2=", "4")))
+            t = await b_cli.get_task(timeout=5)
+            await b_cli.put_sample(sample("g1", [0, 1], 1.0))
+            s = await b_srv.get_sample(timeout=5)
+            return t, s
+        t, s = asyncio.run(main())
+        assert t.problem.answer == "4" and s.oldest_version == 0 and s.reward == 1.0
+        with pytest.raises(Exception):
+            ManagerQueues.connect("127.0.0.1", port, b"wrong-key", num_ranks=1, timeout_s=2)
+    finally:
+        server.shutdown()
