@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from buffer import RolloutTask, Sample
 from envs import ENVS
-from proxy import Sampling
+from proxy import Sampling, Status
 
 
 @dataclass
@@ -160,7 +160,7 @@ class EnvManager:
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
-                             aborted_stale=0, aborted_by_request=0, env_timeouts=0)
+                             aborted_stale=0, aborted_by_request=0, aborted_at_stop=0, env_timeouts=0)
 
     def stats(self) -> dict:
         return {**self.counters, "in_flight": self.slots_used, "proxy": self.proxy.stats()}
@@ -169,26 +169,37 @@ class EnvManager:
 
     async def run(self) -> dict:
         try:
-            while True:
-                if self.error is not None:
-                    raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
-                cmd = self.buffer.get_command_nowait(self.rank)
-                if cmd is not None:
-                    if await self._handle(cmd):
-                        break
-                    continue
-                self._pull_tasks()
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            await self._abort(list(self.jobs), counter=None)
-            if self.pool is not None:
-                self.pool.shutdown(wait=False, cancel_futures=True)
+            await self._loop()
+        except BaseException:
+            try:                   # best effort: the original error is the one to report
+                await self._close()
+            except Exception:
+                pass
+            raise
+        await self._close()
         await self.buffer.put_ack({"rank": self.rank, "phase": "stopped"})
         return self.stats()
+
+    async def _loop(self):
+        while True:
+            if self.error is not None:
+                raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
+            cmd = self.buffer.get_command_nowait(self.rank)
+            if cmd is not None:
+                if await self._handle(cmd):
+                    return
+                continue
+            self._pull_tasks()
+            self.wake.clear()
+            try:           # sleep one poll period, or less when a slot frees
+                await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _close(self):
+        await self._abort(list(self.jobs), "aborted_at_stop")
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def _handle(self, cmd: dict) -> bool:
         """Run one command; True means stop."""
@@ -265,7 +276,7 @@ class EnvManager:
             job.cancel()           # request before any await: the job cannot send a sample after this
             if counter:
                 self.counters[counter] += t.num_samples
-        if rids and self.proxy.status.value != "stopped":
+        if rids and self.proxy.status != Status.STOPPED:
             await self.proxy.abort(rids)
         done, pending = await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s)
         if pending:
@@ -340,8 +351,8 @@ class EnvManager:
             c = await self.proxy.generate(tr.prompt_ids + tr.response_ids, self._turn_sampling(t, room),
                                           request_id=tr.request_id)
             tr.request_id = None
-            if c.finish_reason == "abort":
-                raise _Aborted(tr.request_id)
+            if c.finish_reason == "abort":   # someone aborted the request; our own aborts cancel first
+                raise _Aborted(f"rollout rank {self.rank}: task {t.task_id} turn {turn} aborted")
             tr.add(c.token_ids, c.logprobs, c.versions)
             text = self.tok.decode(c.token_ids, skip_special_tokens=True)   # EOS: trained on, not shown to env
             obs, r, done, _ = await self._env_call(env.step(text), f"step {turn}", t)
