@@ -107,7 +107,8 @@ class EnvFailure(Exception):
 
 
 class _Aborted(Exception):
-    """The trajectory's request was aborted by a command; the task is being cancelled."""
+    """The engine request was aborted by someone else (our own aborts cancel the task first):
+    the trajectory ends quietly, no sample."""
 
 
 @dataclass
@@ -362,8 +363,8 @@ class EnvManager:
                 tr.finish_reason = c.finish_reason
                 break
             obs_ids = self.tok.encode(obs, add_special_tokens=False)
-            if len(tr.prompt_ids) + len(tr.response_ids) + len(obs_ids) + 1 > cap:
-                break                  # no room for the observation and one more action token: "length"
+            if turn == self.cfg.max_turns - 1 or len(tr.prompt_ids) + len(tr.response_ids) + len(obs_ids) + 1 > cap:
+                break                  # no turn left, or no room for the observation and one more action token
             tr.add(obs_ids)
         return Sample(t.task_id, t.group_id, tr.prompt_ids, tr.response_ids, tr.logprobs, tr.loss_mask,
                       tr.versions, min(1.0, max(0.0, tr.reward)), finish_reason=tr.finish_reason, rank=self.rank,

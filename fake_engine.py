@@ -100,11 +100,14 @@ class FakeTimedEngine:
         self.running[request_id] = r
         self._ensure_loop()
         self._wake.set()
-        while True:
-            item = await r.queue.get()
-            yield item
-            if item[2] is not None:
-                return
+        try:
+            while True:
+                item = await r.queue.get()
+                yield item
+                if item[2] is not None:
+                    return
+        finally:  # a cancelled or closed stream must not keep taking decode steps
+            self.running.pop(request_id, None)
 
     async def abort(self, request_ids):
         for eid in request_ids:

@@ -139,9 +139,14 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int = 128, max_num_seqs: int = 64,
-              kv_cache_gib: int = 1, seed: int = 0, **engine_kwargs) -> "VLLMEngine":
+              kv_cache_gib: int = 1, seed: int = 0, cpu_cores: str = "", **engine_kwargs) -> "VLLMEngine":
         # On CPU, vLLM sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); the default is large.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
+        # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
+        # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins.
+        if cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         # the engine's worker process imports WeightLoaderExtension from this file by name
         here = os.path.dirname(os.path.abspath(__file__))
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -197,7 +202,9 @@ class VLLMEngine:
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 
     def shutdown(self):
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None  # drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, noisily
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[bytes]:
@@ -233,6 +240,10 @@ class LLMProxy:
         self._ids = itertools.count()
         self._engine_ids: dict[str, str] = {}   # caller's request id -> current engine request id
         self._user_aborted: set[str] = set()
+        self._consumers: set[asyncio.Task] = set()    # tasks inside generate(), for the watchdog
+        self._watchdog_task: asyncio.Task | None = None
+        self._last_progress = 0.0                      # loop time of the last token received
+        self._failure: EngineError | None = None
         # counters
         self.num_in_flight = 0
         self.num_completed = 0
@@ -285,9 +296,17 @@ class LLMProxy:
     async def generate(self, prompt_token_ids: list[int], sampling: Sampling,
                        request_id: str | None = None) -> Completion:
         self._check_running("generate")
+        if self._failure is not None:
+            raise self._failure
         rid = request_id or f"r{self.rank}-{next(self._ids)}"
         c = Completion(rid, list(prompt_token_ids), submit_version=self.version)
         t0 = _now()
+        if self.num_in_flight == 0:
+            self._last_progress = t0          # idle time is not silence
+        if self._watchdog_task is None:
+            self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
+        me = asyncio.current_task()
+        self._consumers.add(me)
         self.num_in_flight += 1
         self._account()
         try:
@@ -304,7 +323,12 @@ class LLMProxy:
                     continue
                 c.finish_reason = reason
                 return c
+        except asyncio.CancelledError:
+            if self._failure is not None:     # cancelled by the watchdog, not by the caller
+                raise self._failure from None
+            raise
         finally:
+            self._consumers.discard(me)
             self._engine_ids.pop(rid, None)
             self._user_aborted.discard(rid)
             self.num_in_flight -= 1
@@ -314,28 +338,12 @@ class LLMProxy:
             self._account()
 
     async def _consume(self, eid: str, prompt: list[int], sampling: Sampling, c: Completion) -> str:
-        """Read one engine request's stream into `c`; returns its finish reason.
-
-        The engine may be silent for as long as the proxy is suspended; otherwise silence longer
-        than timeout_s means the engine is dead or stuck."""
-        stream = self.engine.stream(eid, prompt, sampling).__aiter__()
+        """Read one engine request's stream into `c`; returns its finish reason. No per-token timer:
+        the proxy's watchdog notices an engine that stops producing (see _watchdog)."""
+        stream = self.engine.stream(eid, prompt, sampling)
         try:
-            while True:
-                nxt = asyncio.ensure_future(stream.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=self.timeout_s)
-                    if done:
-                        break
-                    if self.status != Status.SUSPENDED:
-                        nxt.cancel()
-                        await asyncio.wait({nxt}, timeout=5.0)  # let the stream unwind
-                        raise EngineError(f"rollout rank {self.rank}: engine produced nothing for "
-                                          f"{self.timeout_s:.0f}s during generate (request {eid})")
-                try:
-                    token_ids, logprobs, reason = nxt.result()
-                except StopAsyncIteration:
-                    raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended "
-                                      f"without a finish reason during generate") from None
+            async for token_ids, logprobs, reason in stream:
+                self._last_progress = _now()
                 c.token_ids += token_ids
                 c.logprobs += logprobs
                 c.versions += [self.version] * len(token_ids)
@@ -347,6 +355,20 @@ class LLMProxy:
                 await asyncio.wait_for(stream.aclose(), 5.0)
             except (asyncio.TimeoutError, RuntimeError):
                 pass
+        raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish reason")
+
+    async def _watchdog(self):
+        """While requests are in flight and the proxy is not suspended, an engine that produces no
+        token for timeout_s is dead or stuck: every waiting generate() then fails with EngineError."""
+        while self.status != Status.STOPPED:
+            await asyncio.sleep(self.timeout_s / 8)
+            silent = _now() - self._last_progress
+            if self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s:
+                self._failure = EngineError(f"rollout rank {self.rank}: engine produced nothing for "
+                                            f"{silent:.0f}s during generate ({self.num_in_flight} requests waiting)")
+                for t in list(self._consumers):
+                    t.cancel()
+                return
 
     async def abort(self, request_ids: Iterable[str]):
         """End these requests; their generate() returns what was generated with finish_reason "abort"."""
@@ -383,6 +405,7 @@ class LLMProxy:
         if self.status != Status.SUSPENDED:
             return
         await self._call("resume", self.engine.resume())
+        self._last_progress = _now()                   # suspended time is not silence
         self.status = Status.RUNNING
         self._resumed.set()
         self._account()
@@ -395,4 +418,6 @@ class LLMProxy:
     def shutdown(self):
         if self.status != Status.STOPPED:
             self.status = Status.STOPPED
+            if self._watchdog_task is not None:
+                self._watchdog_task.cancel()
             self.engine.shutdown()

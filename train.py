@@ -264,7 +264,10 @@ def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
     rcfg = RolloutConfig(max_concurrency=cfg.max_concurrency, max_tokens=cfg.max_tokens, async_ratio=cfg.async_ratio)
 
     async def main():
-        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index)
+        # CPU: one core per engine, round robin over this node's cores (see proxy.VLLMEngine.start)
+        cores = str(int(os.environ.get("LOCAL_RANK", index)) % os.cpu_count()) if device == "cpu" else ""
+        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index,
+                                          cpu_cores=cores)
         proxy.version = state["version"] if state else 0
 
         async def weight_sync(cmd):                    # suspend -> receive broadcast -> load -> resume

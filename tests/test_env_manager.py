@@ -1,0 +1,508 @@
+"""EnvManager and envs on the timed fake engine, in fast-forwarded virtual time (looptime).
+
+Arrival times below are virtual seconds: the fake engine's decode step is STEP seconds for the whole
+batch (k=0), so a request of n tokens ends at about n * STEP after it starts."""
+
+import asyncio
+import itertools
+import random
+
+import looptime
+import pytest
+
+from buffer import Buffer, GroupAssembler, LocalQueues, RolloutTask, Sample
+from env_manager import EnvManager, RolloutConfig, env_seed
+from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
+from fake_engine import FakeTimedEngine
+from proxy import EngineError, LLMProxy
+from task import Problem
+
+STEP = 0.1   # fake decode step, virtual seconds
+
+
+def run_virtual(coro):
+    loop = looptime.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tiny_model import build_tokenizer
+    return build_tokenizer()
+
+
+def make_manager(buf, tok, rank=0, cfg=None, weight_sync=None, env_wrappers=None, **engine_kwargs):
+    engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
+    proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
+    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), weight_sync=weight_sync,
+                      env_wrappers=env_wrappers)
+
+
+def add_task(task_id, group_id="g", target_len=0, num_samples=1, env="", prompt="1+1=", answer="2"):
+    return RolloutTask(task_id, group_id, Problem(prompt, answer, target_len=target_len),
+                       num_samples=num_samples, env=env)
+
+
+async def collect(buf, n, timeout=10_000.0):
+    """The next n samples with their virtual arrival times."""
+    out = []
+    for _ in range(n):
+        s = await buf.get_sample(timeout=timeout)
+        out.append((now(), s))
+    return out
+
+
+async def stop_all(buf, managers, runs):
+    for m in managers:
+        await buf.send_command(m.rank, {"cmd": "stop"})
+    stats = await asyncio.wait_for(asyncio.gather(*runs), 60)
+    acks = [await buf.get_ack("stop", timeout=1) for _ in managers]
+    assert sorted(a["rank"] for a in acks) == sorted(m.rank for m in managers)
+    assert all(a["phase"] == "stopped" for a in acks)
+    return stats
+
+
+def script(tok, text):
+    """A fake-engine `respond` that always answers `text` then EOS."""
+    return lambda prompt_ids: tok.encode(text) + [tok.eos_token_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduling
+
+
+def test_queue_scheduling_short_samples_do_not_wait_for_long(tok):
+    """One 1000-token request and four short ones on one rank: each short sample reaches the
+    buffer at its own finish time, long before the long one."""
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000))
+        await buf.put_task(add_task("long", "gl", target_len=1000))
+        for n in (5, 10, 15, 20):
+            await buf.put_task(add_task(f"short{n}", f"g{n}", target_len=n))
+        run = asyncio.create_task(m.run())
+        got = await collect(buf, 5)
+        await stop_all(buf, [m], [run])
+        return got
+    got = run_virtual(main())
+    order = [s.task_id for _, s in got]
+    assert order == ["short5", "short10", "short15", "short20", "long"]
+    for t, s in got:
+        n = len(s.response_ids)
+        assert n == (1000 if s.task_id == "long" else int(s.task_id[5:]))
+        assert t == pytest.approx(n * STEP, abs=2 * STEP)      # arrived when it finished, not later
+        assert s.finish_reason == "length" and s.loss_mask == [1] * n and len(s.versions) == n
+
+
+def test_replication_spreads_group_over_ranks_and_batch_task_arrives_together(tok):
+    async def main():
+        buf = Buffer(LocalQueues(2), "test")
+        lengths = lambda: (lambda rng, it=itertools.cycle(range(1, 9)): next(it))   # 1..8 tokens, in turn
+        cfg = RolloutConfig(max_concurrency=4)
+        ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lengths()) for r in range(2)]
+        runs = [asyncio.create_task(m.run()) for m in ms]
+        for i in range(8):                                   # replicated: 8 tasks of one group
+            await buf.put_task(add_task(f"rep{i}", "rep"))
+        replicated = await collect(buf, 8)
+        await buf.put_task(add_task("batch", "batch", num_samples=4))   # baseline: one task, 4 samples
+        t0 = now()
+        batch = await collect(buf, 4)
+        stats = await stop_all(buf, ms, runs)
+        return replicated, batch, t0, stats
+    replicated, batch, t0, stats = run_virtual(main())
+    assert {s.rank for _, s in replicated} == {0, 1}
+    assert len({t for t, _ in replicated}) > 1             # each sample when it is done
+    assert len({s.rank for _, s in batch}) == 1
+    assert len({t for t, _ in batch}) == 1                 # all together (the group barrier) ...
+    lens = sorted(len(s.response_ids) for _, s in batch)
+    assert lens[0] < lens[-1]
+    assert batch[0][0] - t0 >= lens[-1] * STEP             # ... when the longest one ended
+    assert sum(st["samples_sent"] for st in stats) == 12 and all(st["in_flight"] == 0 for st in stats)
+
+
+def test_max_concurrency_bounds_in_flight_work(tok):
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=3), length_sampler=lambda rng: 8)
+        for i in range(9):
+            await buf.put_task(add_task(f"t{i}", f"g{i}"))
+        run = asyncio.create_task(m.run())
+        await asyncio.sleep(STEP / 2)
+        in_flight = m.stats()["in_flight"], m.proxy.num_in_flight
+        got = await collect(buf, 9)
+        await stop_all(buf, [m], [run])
+        return in_flight, got
+    in_flight, got = run_virtual(main())
+    assert in_flight == (3, 3)
+    # three waves of three 8-token requests
+    assert [round(t / (8 * STEP)) for t, _ in got] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards, EOS, filtering
+
+
+def test_reward_excludes_eos_and_equal_reward_group_is_filtered(tok):
+    """Scripted answers: group "all" always right (rewards all 1: no GRPO signal, filtered),
+    group "mixed" right every other time (kept). EOS is trained on (mask 1) but not in the text."""
+    answers = itertools.cycle(["2", "3"])
+
+    def respond(prompt_ids):
+        text = tok.decode(prompt_ids)
+        return tok.encode("4" if text == "2+2=" else next(answers)) + [tok.eos_token_id]
+
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, respond=respond)
+        for i in range(4):
+            await buf.put_task(add_task(f"a{i}", "all", prompt="2+2=", answer="4"))
+            await buf.put_task(add_task(f"m{i}", "mixed", prompt="1+1=", answer="2"))
+        run = asyncio.create_task(m.run())
+        got = [s for _, s in await collect(buf, 8)]
+        await stop_all(buf, [m], [run])
+        return got
+    samples = run_virtual(main())
+    for s in samples:
+        assert s.response_ids[-1] == tok.eos_token_id and s.loss_mask == [1, 1] and s.finish_reason == "stop"
+    assert sorted(s.reward for s in samples if s.group_id == "mixed") == [0.0, 0.0, 1.0, 1.0]
+    ga = GroupAssembler(group_size=4, async_ratio=1)
+    for s in samples:
+        ga.add(s, version=0)
+    assert ga.groups_filtered == 1 and ga.samples_filtered == 4
+    [group] = ga.take(8, version=0)
+    assert {s.group_id for s in group} == {"mixed"}
+
+
+def _sample(gid, reward, version=0, failed=False):
+    return Sample("t", gid, [1], [2], [-1.0], [1], [version], reward, failed=failed)
+
+
+def test_group_assembler_surplus_failed_and_stale():
+    ga = GroupAssembler(group_size=2, async_ratio=1)
+    ga.add(_sample("a", 1.0), 0)
+    ga.add(_sample("a", 0.0, failed=True), 0)           # failed: counted, not part of the group
+    ga.add(_sample("a", 0.0), 0)                        # completes "a"
+    ga.add(_sample("a", 1.0), 0)                        # redundant rollout: surplus
+    ga.add(_sample("b", 1.0, version=0), 1)
+    assert ga.samples_failed == 1 and ga.samples_surplus == 1 and ga.num_ready() == 1
+    assert ga.evict_stale(version=2) == ["b", "a"]      # version 0 < 2 - 1: both can never train
+    assert ga.take(4, version=2) == [] and ga.samples_dropped_stale == 3
+    ga.add(_sample("b", 0.0, version=2), 2)             # late sample of a dead group
+    assert ga.samples_dropped_stale == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# failures
+
+
+def test_hung_env_fails_and_is_replaced_within_timeout(tok):
+    """The first env built hangs on reset; it fails at the timeout, a failed Sample reports it,
+    a fresh env replaces it, and the other task is not held up."""
+    built = itertools.count()
+
+    def wrap(env):
+        return FaultyEnv(env, 0.0, 1.0, random.Random(0)) if next(built) == 0 else env
+
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        cfg = RolloutConfig(env_step_timeout_s=5.0)
+        m = make_manager(buf, tok, cfg=cfg, env_wrappers=wrap, length_sampler=lambda rng: 4)
+        await buf.put_task(add_task("hangs", "g1"))
+        await buf.put_task(add_task("fine", "g2"))
+        run = asyncio.create_task(m.run())
+        got = await collect(buf, 3)
+        [stats] = await stop_all(buf, [m], [run])
+        return got, stats
+    got, stats = run_virtual(main())
+    (t1, s1), (t2, s2), (t3, s3) = got
+    assert s1.task_id == "fine" and not s1.failed and t1 == pytest.approx(4 * STEP, abs=STEP)
+    assert s2.task_id == "hangs" and s2.failed and s2.meta["retrying"] and t2 == pytest.approx(5.0, abs=STEP)
+    assert "5s" in s2.meta["error"] and "rank 0" in s2.meta["error"]
+    assert s3.task_id == "hangs" and not s3.failed and t3 == pytest.approx(5.0 + 4 * STEP, abs=2 * STEP)
+    assert (stats["samples_failed"], stats["env_timeouts"], stats["retries"], stats["samples_sent"]) == (1, 1, 1, 2)
+
+
+def test_env_failing_every_time_gives_up_after_max_retries(tok):
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        rng = random.Random(0)
+        cfg = RolloutConfig(max_retries=2)
+        m = make_manager(buf, tok, cfg=cfg, length_sampler=lambda rng: 3,
+                         env_wrappers=lambda env: env if isinstance(env, GuessEnv) else FaultyEnv(env, 1.0, 0.0, rng))
+        await buf.put_task(add_task("bad", "g1"))
+        run = asyncio.create_task(m.run())
+        bad = [s for _, s in await collect(buf, 3)]
+        await buf.put_task(add_task("after", "g2", env="guess"))   # the rank goes on
+        [(_, after)] = await collect(buf, 1)
+        [stats] = await stop_all(buf, [m], [run])
+        return bad, after, stats
+    bad, after, stats = run_virtual(main())
+    assert all(s.failed and "injected" in s.meta["error"] for s in bad)
+    assert [s.meta["retrying"] for s in bad] == [True, True, False]
+    assert not after.failed and after.task_id == "after"
+    assert (stats["samples_failed"], stats["retries"], stats["env_timeouts"]) == (3, 2, 0)
+
+
+def test_engine_failure_stops_run_naming_rank(tok):
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, rank=0)
+        m.proxy.engine.hang = True
+        await buf.put_task(add_task("t", "g"))
+        with pytest.raises(RuntimeError, match="rollout rank 0") as e:
+            await asyncio.wait_for(m.run(), 100)
+        assert isinstance(e.value.__cause__, EngineError)
+        assert m.stats()["in_flight"] == 0
+    run_virtual(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def test_sync_aborts_stale_work_and_acks(tok):
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        synced = []
+
+        async def weight_sync(cmd):        # what train.py supplies: suspend, load, resume
+            synced.append(cmd["version"])
+            await m.proxy.suspend("keep")
+            await m.proxy.update_weights([], cmd["version"])
+            await m.proxy.resume()
+        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000), weight_sync=weight_sync)
+        run = asyncio.create_task(m.run())
+        await buf.put_task(add_task("old", "g0", target_len=1000))
+        await asyncio.sleep(10 * STEP)
+        await buf.send_command(0, {"cmd": "sync", "version": 1})          # 0 >= 1 - 1: still fresh
+        assert await buf.get_ack("sync 1", timeout=100) == {"rank": 0, "phase": "synced", "version": 1}
+        assert m.stats()["in_flight"] == 1
+        await buf.put_task(add_task("new", "g1", target_len=1000))       # starts at version 1
+        await asyncio.sleep(10 * STEP)
+        await buf.send_command(0, {"cmd": "sync", "version": 2})          # 0 < 2 - 1: "old" is stale
+        assert (await buf.get_ack("sync 2", timeout=100))["version"] == 2
+        s = m.stats()
+        assert (s["aborted_stale"], s["in_flight"]) == (1, 1)
+        assert list(m.jobs) == ["new"] and len(m.proxy.engine.running) == 1   # the engine dropped it
+        [(_, new)] = await collect(buf, 1)
+        [stats] = await stop_all(buf, [m], [run])
+        assert buf.get_sample_nowait() is None                            # "old" never sent anything
+        return synced, new, stats
+    synced, new, stats = run_virtual(main())
+    assert synced == [1, 2]
+    assert new.task_id == "new" and new.versions[0] == 1 and new.versions[-1] == 2
+    assert stats["proxy"]["version"] == 2 and stats["samples_sent"] == 1
+
+
+def test_abort_groups_and_stop(tok):
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=2, max_total_tokens=2000))
+        for tid, gid, n in [("a1", "a", 500), ("b1", "b", 500), ("a2", "a", 5), ("c1", "c", 5)]:
+            await buf.put_task(add_task(tid, gid, target_len=n))
+        run = asyncio.create_task(m.run())
+        await asyncio.sleep(1.0)
+        assert set(m.jobs) == {"a1", "b1"}
+        await buf.send_command(0, {"cmd": "abort_groups", "group_ids": ["a"]})
+        got = await collect(buf, 1)       # a2 is skipped (its group was aborted), c1 runs
+        assert m.stats()["in_flight"] == 1 and set(m.jobs) == {"b1"}
+        [stats] = await stop_all(buf, [m], [run])                       # b1 is still running
+        assert buf.get_sample_nowait() is None and not m.proxy.engine.running
+        return got, stats
+    got, stats = run_virtual(main())
+    assert [s.task_id for _, s in got] == ["c1"]
+    assert (stats["aborted_by_request"], stats["tasks_skipped"], stats["aborted_at_stop"]) == (1, 1, 1)
+    assert stats["in_flight"] == 0 and stats["tasks_started"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-turn trajectories
+
+
+def test_multi_turn_masks_logprobs_and_versions(tok):
+    """ChainEnv with scripted answers: right, wrong, right. Observation tokens are masked with
+    logprob 0; action tokens (EOS included) carry the engine's logprob (-1.0 on the fake)."""
+    gid = "chain-group"
+    env = ChainEnv()
+    run_virtual(env.reset(env_seed(gid)))
+    truth = [sum(env.terms[: i + 2]) for i in range(3)]
+
+    def respond(prompt_ids):
+        turn = tok.decode(prompt_ids).count("=") - 1
+        return tok.encode(str(truth[turn] + (1 if turn == 1 else 0))) + [tok.eos_token_id]
+
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, respond=respond)
+        await buf.put_task(add_task("c", gid, env="chain"))
+        run = asyncio.create_task(m.run())
+        [(_, s)] = await collect(buf, 1)
+        await stop_all(buf, [m], [run])
+        return s
+    s = run_virtual(main())
+    t = env.terms
+    assert tok.decode(s.prompt_ids) == f"{t[0]}+{t[1]}="
+    actions = [f"{truth[0]}<eos>", f"{truth[1] + 1}<eos>", f"{truth[2]}<eos>"]
+    observations = [f" ok\n+{t[2]}=", f" no, {truth[1]}\n+{t[3]}="]
+    expect_mask = []
+    for i, a in enumerate(actions):
+        expect_mask += [1] * len(tok.encode(a))
+        if i < 2:
+            expect_mask += [0] * len(tok.encode(observations[i]))
+    assert tok.decode(s.response_ids) == actions[0] + observations[0] + actions[1] + observations[1] + actions[2]
+    assert s.loss_mask == expect_mask
+    assert s.logprobs == [-1.0 if k else 0.0 for k in expect_mask]
+    assert len(s.versions) == sum(expect_mask) and s.versions == [0] * sum(expect_mask)
+    assert s.reward == pytest.approx(2 / 3) and s.num_turns == 3 and s.finish_reason == "stop"
+
+
+def test_multi_turn_stops_at_token_cap(tok):
+    """A guesser that always says 99 on a game whose secret is lower never wins; the trajectory
+    ends when the next turn no longer fits max_total_tokens, with the reward so far."""
+    gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
+
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=60, max_turns=50), respond=script(tok, "99"))
+        await buf.put_task(add_task("g", gid, env="guess"))
+        run = asyncio.create_task(m.run())
+        [(_, s)] = await collect(buf, 1)
+        await stop_all(buf, [m], [run])
+        return s
+    s = run_virtual(main())
+    assert s.num_tokens <= 60 and s.num_tokens + len(tok.encode(" lower:\n")) + 1 > 60
+    assert s.finish_reason == "length" and s.reward == 0.0 and 1 < s.num_turns < 50
+    assert tok.decode(s.response_ids).startswith("99<eos> lower:\n99<eos>")
+    assert s.loss_mask[-1] == 1                                     # ends on an action, not an observation
+
+
+def test_multi_turn_stops_at_max_turns(tok):
+    gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
+
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_turns=3), respond=script(tok, "99"))
+        await buf.put_task(add_task("g", gid, env="guess"))
+        run = asyncio.create_task(m.run())
+        [(_, s)] = await collect(buf, 1)
+        await stop_all(buf, [m], [run])
+        return s
+    s = run_virtual(main())
+    assert tok.decode(s.response_ids) == "99<eos> lower:\n99<eos> lower:\n99<eos>"    # no trailing observation
+    assert s.num_turns == 3 and s.finish_reason == "length" and s.loss_mask[-1] == 1
+
+
+def _secret(gid):
+    env = GuessEnv()
+    run_virtual(env.reset(env_seed(gid)))
+    return env.secret
+
+
+# ---------------------------------------------------------------------------------------------
+# envs
+
+
+def test_guess_env_binary_search_wins_with_decayed_reward():
+    async def main():
+        env = GuessEnv()
+        obs = await env.reset(123)
+        assert obs == await GuessEnv().reset(123) and env.secret == _secret_of(123)
+        lo, hi, turns = 0, 99, 0
+        while True:
+            g = (lo + hi) // 2
+            obs, r, done, _ = await env.step(f"{g}")
+            turns += 1
+            if done:
+                return obs, r, turns
+            assert r == 0.0
+            lo, hi = (g + 1, hi) if "higher" in obs else (lo, g - 1)
+    obs, r, turns = run_virtual(main())
+    assert "correct" in obs and turns <= 7 and r == pytest.approx(0.9 ** (turns - 1))
+
+
+def _secret_of(seed):
+    return random.Random(seed).randrange(100)
+
+
+def test_env_text_uses_only_tiny_model_chars():
+    from tiny_model import CHARS
+
+    async def main():
+        texts = []
+        for seed in range(20):
+            g, c = GuessEnv(), ChainEnv()
+            texts += [await g.reset(seed), await c.reset(seed)]
+            for a in ("", "5", "200", "x"):
+                texts.append((await g.step(a))[0])
+            for a in ("3", "999", ""):
+                texts.append((await c.step(a))[0])
+        return texts
+    assert set("".join(run_virtual(main()))) <= set(CHARS)
+
+
+def test_envs_dict_builds_every_env():
+    p = Problem("1+1=", "2")
+    for name, factory in ENVS.items():
+        env = factory(p, 7)
+        obs = run_virtual(env.reset(7))
+        assert isinstance(obs, str) and obs
+    assert isinstance(ENVS[""](p, 0), SingleTurnEnv)
+    assert run_virtual(ENVS[""](p, 0).step("2")) == ("", 1.0, True, {})
+
+
+def test_latency_env_mean_and_clipping():
+    async def mean_delay(mean, std, n=400):
+        env = LatencyEnv(GuessEnv(), mean, std, random.Random(1))
+        t0 = now()
+        await env.reset(0)
+        for _ in range(n - 1):
+            await env.step("50")
+        return (now() - t0) / n
+    assert run_virtual(mean_delay(10.0, 2.0)) == pytest.approx(10.0, abs=0.3)
+    # the paper's mu = sigma = 10: negative draws are clipped to 0, so E = 10 Phi(1) + 10 phi(1) = 10.83
+    assert run_virtual(mean_delay(10.0, 10.0, n=2000)) == pytest.approx(10.83, abs=0.5)
+
+
+def test_faulty_env_rates():
+    async def main(fail_rate, hang_rate, n=1000):
+        env = FaultyEnv(GuessEnv(), fail_rate, hang_rate, random.Random(2))
+        fails = hangs = 0
+        for i in range(n):
+            try:
+                await asyncio.wait_for(env.step("1"), 1.0)
+            except EnvFault:
+                fails += 1
+            except asyncio.TimeoutError:
+                hangs += 1
+        return fails / n, hangs / n
+    fails, hangs = run_virtual(main(0.2, 0.1))
+    assert fails == pytest.approx(0.2, abs=0.04) and hangs == pytest.approx(0.1, abs=0.03)
+    with pytest.raises(ValueError, match="fail_rate"):
+        FaultyEnv(GuessEnv(), 0.7, 0.7, random.Random(0))
+
+
+def test_config_validates():
+    for field, bad in [("max_concurrency", 0), ("async_ratio", -1), ("env_step_timeout_s", 0), ("max_tokens", 0)]:
+        with pytest.raises(ValueError, match=field):
+            RolloutConfig(**{field: bad})
+
+
+def test_reward_workers_process_pool(tok):
+    """reward_workers > 0: the verifier runs in a process pool (real time, tiny fake steps)."""
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(reward_workers=1), t0=0.001, respond=script(tok, "2"))
+        await buf.put_task(add_task("a", "g", prompt="1+1=", answer="2"))
+        await buf.put_task(add_task("b", "g", prompt="1+2=", answer="3"))
+        run = asyncio.create_task(m.run())
+        got = sorted((s.task_id, s.reward) for _, s in await collect(buf, 2, timeout=30))
+        await stop_all(buf, [m], [run])
+        return got
+    assert asyncio.run(main()) == [("a", 1.0), ("b", 0.0)]
