@@ -181,6 +181,10 @@ class Controller:
         self._acks = [a for a in self._acks if a not in got]
         return got
 
+    async def wait_ready(self):
+        """Wait until every rollout rank reports its engine up (ack phase "ready")."""
+        await self._wait_acks("ready", None)
+
     async def stop(self):
         """Tell every rollout rank to stop, and wait until each has."""
         for r in range(self.num_ranks):

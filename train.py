@@ -147,6 +147,7 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
     trainer = Trainer(model_dir, tcfg, trainer_group if cfg.train_gpus > 1 else None, device)
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
+        trainer.num_steps = state["step"]
     step0 = state["step"] if state else 0
     version = state["version"] if state else 0
     probe = AutoTokenizer.from_pretrained(model_dir).encode(PROBE_TEXT)
@@ -193,6 +194,9 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
         trainer.save_checkpoint(cfg.out_dir, st, model_dir)
 
     async def main():
+        t = time.monotonic()
+        await ctrl.wait_ready()   # engines started and warmed up, so step 1 measures a step, not start-up
+        print0(f"rollout ready: {cfg.rollout_gpus} engines in {time.monotonic() - t:.1f}s")
         for step in range(step0, cfg.steps):
             t0 = time.monotonic()
             batch, info = await ctrl.collect()                                  # schedule + run
@@ -251,7 +255,7 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
 def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
     from buffer import Buffer, ManagerQueues
     from env_manager import EnvManager, RolloutConfig
-    from proxy import LLMProxy
+    from proxy import LLMProxy, Sampling
     from trainer import receive_weights
     from transformers import AutoTokenizer
 
@@ -269,6 +273,8 @@ def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
         proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index,
                                           cpu_cores=cores)
         proxy.version = state["version"] if state else 0
+        await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
+        await buffer.put_ack({"rank": index, "phase": "ready", "version": None})
 
         async def weight_sync(cmd):                    # suspend -> receive broadcast -> load -> resume
             v = cmd["version"]

@@ -45,6 +45,7 @@ class TrainConfig:
     lr: float = 2e-4                  # AdamW learning rate
     weight_decay: float = 0.0
     grad_clip: float = 1.0            # max global grad norm
+    warmup_steps: int = 10            # linear LR warm-up: Adam's first steps are sign-like and large
     clip_low: float = 0.2             # PPO-family ratio clip
     clip_high: float = 0.28           # DAPO's clip-higher
     agg: str = "token-mean"           # losses' aggregation
@@ -112,6 +113,7 @@ class Trainer:
             fully_shard(model, mesh=mesh)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.num_steps = 0                # optimizer steps taken (restored from checkpoints)
 
     # --- training
     def train_step(self, samples, advantages: list[float]) -> dict:
@@ -146,8 +148,12 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        lr = cfg.lr * min(1.0, (self.num_steps + 1) / max(cfg.warmup_steps, 1))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         self.opt.step()
-        return {"loss": loss_sum, "grad_norm": float(grad_norm), **metrics_sum}
+        self.num_steps += 1
+        return {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr, **metrics_sum}
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
