@@ -8,7 +8,8 @@ Each training step is schedule -> run -> postprocess:
 
 Admission (the async ratio alpha): the trainer at version v consumes B groups per step, and a
 sample may be at most alpha versions older than the trainer that uses it. So the controller keeps
-at most (v + alpha + 1) * B groups "alive" (admitted and not yet lost) plus `redundant` extra
+at most (v - v0 + alpha + 1) * B groups "alive" (admitted and not yet lost; v0 = the version the
+controller started at) plus `redundant` extra
 groups, the head start that dynamic filtering burns. alpha = 0 is the synchronous baseline in the
 same code: one batch admitted, collected, trained on, weights updated, repeat. A group that is
 filtered or dropped as stale frees its place, so more prompts are admitted to replace it.
@@ -63,6 +64,7 @@ class Controller:
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
         self.num_ranks = num_rollout_ranks
         self.version = version
+        self.version0 = version               # admission counts versions from here (resume, reuse)
         self.log = log
         self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_equal)
         self.groups_admitted = 0
@@ -79,7 +81,8 @@ class Controller:
     def admission_capacity(self) -> int:
         """How many more groups may be admitted now (see module docstring)."""
         alive = self.groups_admitted - self._groups_lost()
-        return (self.version + self.cfg.async_ratio + 1) * self.cfg.batch_groups + self.cfg.redundant - alive
+        steps = self.version - self.version0 + self.cfg.async_ratio + 1   # batches this controller may have out
+        return steps * self.cfg.batch_groups + self.cfg.redundant - alive
 
     async def admit(self) -> int:
         n = max(0, self.admission_capacity())

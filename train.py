@@ -48,11 +48,11 @@ class Config:
     env: str = opt("", "multi-turn environment name (env_manager/envs); empty = single-turn RLVR")
     out_dir: str = opt("runs/default", "metrics.jsonl and checkpoint/ go here")
     resume: bool = opt(False, "continue from out_dir/checkpoint (step, version, data position, optimizer)")
-    steps: int = opt(40, "training steps (weight versions) to run")
+    steps: int = opt(80, "training steps (weight versions) to run")
     async_ratio: int = opt(2, "max policy versions a trained sample may lag; 0 = synchronous")
     loss: str = opt("ppo", "reinforce | ppo | decoupled_ppo | tis | cispo | topr | gspo")
-    lr: float = opt(2e-4, "AdamW learning rate")
-    batch_groups: int = opt(16, "prompts per step")
+    lr: float = opt(3e-4, "AdamW learning rate (linear warm-up over the first 10 steps)")
+    batch_groups: int = opt(32, "prompts per step")
     group_size: int = opt(8, "samples per prompt (GRPO group)")
     redundant: int = opt(4, "extra prompts admitted per step for dynamic filtering")
     rollout_mode: str = opt("queue", "queue (per-sample scheduling) | batch (barrier baseline)")
@@ -193,6 +193,8 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
         tell({"op": "save", "state": st})
         trainer.save_checkpoint(cfg.out_dir, st, model_dir)
 
+    recent: list[float] = []        # reward_mean per step, for the progress line's moving average
+
     async def main():
         t = time.monotonic()
         await ctrl.wait_ready()   # engines started and warmed up, so step 1 measures a step, not start-up
@@ -231,7 +233,9 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
             row["tokens_per_s"] = info["num_tokens"] / row["time_step"]
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print0(f"step {step + 1:4d}/{cfg.steps} | v{ctrl.version} | reward {info['reward_mean']:.3f} | "
+            recent.append(info["reward_mean"])
+            print0(f"step {step + 1:4d}/{cfg.steps} | v{ctrl.version} | reward {info['reward_mean']:.3f} "
+                   f"(avg10 {sum(recent[-10:]) / len(recent[-10:]):.3f}) | "
                    f"stale max {info['staleness_max']} mean {info['staleness_mean']:.2f} | "
                    f"dropped {info['samples_dropped_stale']} filtered {info['groups_filtered']} | "
                    f"{row['time_step']:.2f}s (wait {info['time_wait_rollout']:.2f} train {row['time_train']:.2f} "

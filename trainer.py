@@ -42,7 +42,7 @@ import losses
 @dataclass
 class TrainConfig:
     loss: str = "ppo"                 # one of losses.VARIANTS
-    lr: float = 2e-4                  # AdamW learning rate
+    lr: float = 3e-4                  # AdamW learning rate
     weight_decay: float = 0.0
     grad_clip: float = 1.0            # max global grad norm
     warmup_steps: int = 10            # linear LR warm-up: Adam's first steps are sign-like and large

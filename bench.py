@@ -1,0 +1,151 @@
+"""bench.py: the paper's rollout speedups, measured for real on this machine, side by side in one run.
+
+    .venv/bin/python bench.py                     # 2 real vLLM CPU engines + the real trainer, ~3 min
+    .venv/bin/python bench.py --steps 10 --batch-groups 8 --group-size 8
+
+Real parts: two vLLM engines (one core each) behind LLMProxy, the project's EnvManager, Controller,
+Buffer and Trainer (real optimizer steps on the tiny model), real weight updates into the engines
+after every step. The same engines serve every configuration in turn, so start-up is paid once:
+
+    sync            async ratio 0, queue scheduling, prompt replication        (the baseline)
+    async1, async2  async ratio 1 and 2
+    batch_rollout   async ratio 0, every admitted prompt must finish (barrier), 50% redundant prompts
+    queue_rollout   async ratio 0, the step ends when enough prompts finished, same redundant prompts
+    no_replication  async ratio 0, one task per prompt: all its samples on one engine
+
+Long-tailed response lengths: every prompt draws a target length from a lognormal (median 12 tokens,
+sigma 1.0, capped to fit the 128-token context) and its responses are exactly that long (ignore_eos).
+Each configuration trains the same number of samples (steps x batch). Printed: one JSON object with
+seconds per step of each configuration and the ratios.
+
+Deliberate differences from train.py, for a one-process benchmark: the trainer runs in a thread of
+this process and weights go to the engines in-process (proxy.update_weights), not over gloo; dynamic
+filtering is off (responses of forced length carry no meaningful reward, and filtering would make
+the number of generated groups random). On 2 shared cores, rollout and training compete for the same
+CPU, so async gains here are smaller than on separate GPUs: the simulator (sim.py) covers the
+paper's scale.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+
+import torch
+
+
+def problems(seed: int, median: float, sigma: float, cap: int):
+    """Endless addition problems, each with a long-tailed target response length."""
+    import task
+    rng = random.Random(seed)
+    while True:
+        p = task.make_problem(rng)
+        p.target_len = max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma))))
+        yield p
+
+
+async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict:
+    from buffer import Buffer, LocalQueues
+    from controller import Controller, ControllerConfig
+    from env_manager import EnvManager, RolloutConfig
+    from losses import group_advantages
+
+    buffer = Buffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
+    ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_equal=False,
+                            timeout_s=300, **overrides)
+    version = proxies[0].version
+    ctrl = Controller(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
+                      version=version)
+    latest: list = []                                   # the weights of the newest version
+
+    def make_sync(rank, proxy):
+        async def weight_sync(cmd):
+            await proxy.suspend("keep")
+            await buffer.put_ack({"rank": rank, "phase": "suspended", "version": cmd["version"]})
+            await proxy.update_weights(latest, cmd["version"])
+            await proxy.resume()
+            await buffer.put_ack({"rank": rank, "phase": "loaded", "version": cmd["version"], "engine": proxy.stats()})
+        return weight_sync
+
+    rcfg = RolloutConfig(max_concurrency=args.max_concurrency, async_ratio=ccfg.async_ratio, max_total_tokens=124)
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, weight_sync=make_sync(r, p)) for r, p in enumerate(proxies)]
+    runs = [asyncio.create_task(m.run()) for m in managers]
+    step_times, stale = [], []
+    for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
+        t0 = time.perf_counter()
+        batch, info = await ctrl.collect()
+        adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
+        await asyncio.to_thread(trainer.train_step, batch, adv)      # the event loop keeps serving rollout
+        latest[:] = await asyncio.to_thread(trainer.full_state)
+        await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        if args.verbose:
+            print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, wait {info['time_wait_rollout']:.2f}s, "
+                  f"{info['num_samples']} samples, {ctrl.groups_admitted} groups admitted", flush=True)
+        if step > 0:
+            step_times.append(time.perf_counter() - t0)
+            stale.append(info["staleness_max"])
+    await ctrl.stop()
+    await asyncio.gather(*runs)
+    per_step = sum(step_times) / len(step_times)
+    print(f"  {name:15s} {per_step:6.2f} s/step   staleness max {max(stale)}", flush=True)
+    return {"s_per_step": round(per_step, 3), "staleness_max": max(stale)}
+
+
+async def main(args):
+    from transformers import AutoTokenizer
+
+    import tiny_model
+    from proxy import LLMProxy
+    from trainer import TrainConfig, Trainer
+
+    model_dir = str(tiny_model.ensure_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=args.max_concurrency)
+               for r in range(2)]
+    trainer = Trainer(model_dir, TrainConfig(loss="ppo", lr=1e-5, seed=args.seed))
+    redundant = args.batch_groups // 2
+    configs = {
+        "sync": dict(async_ratio=0),
+        "async1": dict(async_ratio=1),
+        "async2": dict(async_ratio=2),
+        "batch_rollout": dict(async_ratio=0, rollout_mode="batch", redundant=redundant),
+        "queue_rollout": dict(async_ratio=0, rollout_mode="queue", redundant=redundant),
+        "no_replication": dict(async_ratio=0, replicate=False),
+    }
+    print(f"bench: {args.steps} steps x {args.batch_groups}x{args.group_size} samples per configuration", flush=True)
+    res = {}
+    try:
+        for name, overrides in configs.items():
+            if args.only and name not in args.only.split(","):
+                continue
+            res[name] = await run_config(name, overrides, args, proxies, trainer, tokenizer)
+    finally:
+        for p in proxies:
+            p.shutdown()
+    s = {k: v["s_per_step"] for k, v in res.items()}
+    pairs = {"async1_vs_sync": ("sync", "async1"), "async2_vs_sync": ("sync", "async2"),
+             "queue_vs_batch_rollout": ("batch_rollout", "queue_rollout"),
+             "replication_on_vs_off": ("no_replication", "sync")}
+    print(json.dumps({
+        "setup": {"engines": 2, "steps": args.steps, "batch": f"{args.batch_groups}x{args.group_size}",
+                  "length": f"lognormal median {args.median_len} sigma {args.sigma} cap {args.cap}"},
+        "configs": res,
+        "speedup": {k: round(s[slow] / s[fast], 3) for k, (slow, fast) in pairs.items() if slow in s and fast in s},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration (plus one warm-up)")
+    ap.add_argument("--batch-groups", type=int, default=8, help="prompts per step")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--median-len", type=float, default=12, help="median response length, tokens")
+    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of response lengths")
+    ap.add_argument("--cap", type=int, default=110, help="max response length, tokens")
+    ap.add_argument("--max-concurrency", type=int, default=64, help="trajectories in flight per engine")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="a line per step")
+    ap.add_argument("--only", default="", help="comma-separated configurations to run (default: all)")
+    asyncio.run(main(ap.parse_args()))

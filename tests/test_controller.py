@@ -1,0 +1,59 @@
+"""controller.py: admission under the async ratio (no engines: the task queue is inspected directly)."""
+
+import asyncio
+import itertools
+
+import pytest
+
+from buffer import Buffer, LocalQueues
+from controller import Controller, ControllerConfig, problem_stream
+from task import Problem, make_problem
+
+
+def controller(version=0, **kw) -> Controller:
+    cfg = ControllerConfig(**{"batch_groups": 4, "group_size": 2, **kw})
+    problems = (Problem(f"{i}+0=", str(i)) for i in itertools.count())
+    return Controller(cfg, Buffer(LocalQueues(2), "test"), problems, num_rollout_ranks=2, version=version)
+
+
+@pytest.mark.parametrize("async_ratio", [0, 1, 2])
+@pytest.mark.parametrize("start_version", [0, 7])
+def test_admission_bounded_by_async_ratio(async_ratio, start_version):
+    """(alpha + 1) batches + redundant prompts may be out at once, counted from the starting version
+    (a resumed run or a reused engine starts at version > 0 and must not flood the queue)."""
+    async def main():
+        c = controller(start_version, async_ratio=async_ratio, redundant=1)
+        n = await c.admit()
+        assert n == (async_ratio + 1) * 4 + 1
+        assert c.buffer.num_queued_tasks() == n * 2           # replication: one task per sample
+        assert await c.admit() == 0                           # nothing more until a version passes
+        c.version += 1
+        assert await c.admit() == 4                           # one more batch per version
+        c.asm.groups_filtered += 2                            # lost groups free their places
+        assert await c.admit() == 2
+    asyncio.run(main())
+
+
+def test_no_replication_puts_one_task_per_prompt():
+    async def main():
+        c = controller(replicate=False)
+        n = await c.admit()
+        tasks = [c.buffer.get_task_nowait() for _ in range(c.buffer.num_queued_tasks())]
+        assert len(tasks) == n and all(t.num_samples == 2 for t in tasks)
+    asyncio.run(main())
+
+
+def test_problem_stream_resumes_at_position():
+    a = list(itertools.islice(problem_stream(None, seed=3, make=make_problem), 10))
+    b = list(itertools.islice(problem_stream(None, seed=3, start=6, make=make_problem), 4))
+    assert [p.prompt for p in a[6:]] == [p.prompt for p in b]
+    data = [Problem(str(i), str(i)) for i in range(5)]
+    c = list(itertools.islice(problem_stream(data, seed=1), 10))
+    assert sorted(p.prompt for p in c[:5]) == sorted(p.prompt for p in data)   # a shuffled pass, then another
+
+
+def test_config_validation_names_the_flag():
+    with pytest.raises(ValueError, match="async-ratio"):
+        ControllerConfig(async_ratio=-1)
+    with pytest.raises(ValueError, match="rollout-mode"):
+        ControllerConfig(rollout_mode="fast")
