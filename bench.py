@@ -1,6 +1,6 @@
 """bench.py: the paper's rollout speedups, measured for real on this machine, side by side in one run.
 
-    .venv/bin/python bench.py                     # 2 real vLLM CPU engines + the real trainer, ~3 min
+    .venv/bin/python bench.py                     # 2 real vLLM CPU engines + the real trainer, ~4 min
     .venv/bin/python bench.py --steps 10 --batch-groups 8 --group-size 8
 
 Real parts: two vLLM engines (one core each) behind LLMProxy, the project's EnvManager, Controller,
@@ -117,6 +117,10 @@ async def main(args):
     print(f"bench: {args.steps} steps x {args.batch_groups}x{args.group_size} samples per configuration", flush=True)
     res = {}
     try:
+        # warm-up, not reported: the engines' first batches of each shape and the trainer's first
+        # steps are slow, and would penalise whichever configuration ran first
+        await run_config("warm-up", configs["sync"], argparse.Namespace(**{**vars(args), "steps": 3}),
+                         proxies, trainer, tokenizer)
         for name, overrides in configs.items():
             if args.only and name not in args.only.split(","):
                 continue
@@ -138,7 +142,7 @@ async def main(args):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration (plus one warm-up)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (plus one warm-up)")
     ap.add_argument("--batch-groups", type=int, default=8, help="prompts per step")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     ap.add_argument("--median-len", type=float, default=12, help="median response length, tokens")

@@ -88,9 +88,10 @@ class SimConfig:
     filter_equal: bool = True       # DAPO dynamic filtering of all-equal-reward groups
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
-    # workload (Qwen3-8B-Base-like RLVR: median 1.5k tokens, 8k cap; the longest >> 20x median is rare)
-    len_median: float = 1500        # response tokens per model turn, lognormal median
-    len_sigma: float = 1.0          # lognormal sigma (1.0: mean 1.65x median before the cap)
+    # workload: RLVR on an 8B base model, 8k cap. The paper: the longest responses exceed the median by more
+    # than 20x; median 400 and sigma 1 put the cap at 20x the median, reached by ~5 of 4096 samples
+    len_median: float = 400         # response tokens per model turn, lognormal median
+    len_sigma: float = 1.0          # lognormal sigma (mean = 1.65x median before the cap)
     max_tokens: int = 8192          # cap per model turn (Sampling.max_tokens)
     turns: int = 1                  # model turns per trajectory (multi-turn env)
     pass_a: float = 1.0             # group pass rate p ~ Beta(pass_a, pass_b); (1, 1) = uniform
@@ -102,19 +103,20 @@ class SimConfig:
     fail_rate: float = 0.0          # env call failure rate (envs.FaultyEnv), retried by the EnvManager
     lockstep: str = ""              # sync-env baseline: "engine" (each engine's trajectories advance turn by turn
                                     # together) or "batch" (all B*G trajectories do); "" = env-level async
-    # engine model: 8B bf16 decode on an 80 GB GPU (16 GB weights read per step, KV ~0.15 MB/token)
+    # engine model: 8B bf16 decode on an 80 GB GPU at ~2 TB/s (16 GB of weights read per step; KV 0.15 MB/token)
     t0: float = 0.020               # s per decode step at batch 0 (weights read + launch overhead)
-    k: float = 0.0003               # s per running sequence per step (its KV read at ~4k context)
-    max_num_seqs: int = 64          # concurrent sequences per engine (KV capacity at long context)
+    k: float = 0.0001               # s per running sequence per step: its KV read, ~1.3k tokens of context
+                                    # (the time-weighted mean context of these lengths)
+    max_num_seqs: int = 128         # concurrent sequences per engine (~50 GB of KV / 0.15 MB ~ 300k tokens)
     chunk: int = 64                 # real tokens per fake token (time resolution, see docstring)
     # trainer model
-    train_tok_s: float = 2000.0     # tokens/s per trainer GPU (fwd+bwd + old/ref logprob passes); calibrated so a
+    train_tok_s: float = 3000.0     # tokens/s per trainer GPU (fwd+bwd + old/ref logprob passes); calibrated so a
                                     # colocated sync step spends ~22% training (RollPacker), see `calibrate`
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
     broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL, with bucketing
     load_s: float = 1.0             # engine weight load
     # run
-    steps: int = 5                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline to fill)
+    steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline to fill)
     warmup: int = 2                 # first steps excluded from the steady-state numbers (pipeline fill)
     seed: int = 0
     poll_s: float = 1.0             # EnvManager poll period, virtual seconds (real: 0.01; see docstring)
@@ -433,9 +435,12 @@ def e2e(base: SimConfig, gpus: int, rollout_gpus: int, alpha: int) -> dict:
     return simulate(replace(base, rollout_gpus=rollout_gpus, train_gpus=gpus - rollout_gpus, async_ratio=alpha))
 
 
+SAMPLES_PER_GPU = 128    # end-to-end runs: the batch grows with the cluster (weak scaling), one engine's worth per GPU
+
+
 def scaled(base: SimConfig, gpus: int) -> SimConfig:
-    """The batch grows with the cluster: 64 samples per GPU (one engine's worth), 25% redundant prompts."""
-    b = gpus * base.max_num_seqs // base.group_size
+    """B*G = 128 samples per GPU, plus 25% redundant prompts (the filter rate is 22%)."""
+    b = gpus * SAMPLES_PER_GPU // base.group_size
     return replace(base, batch_groups=b, redundant=b // 4)
 
 
@@ -462,14 +467,14 @@ def exp_scaling(base: SimConfig):
         ax.set_xscale("log", base=2); ax.set_yscale("log", base=2)
         ax.set_xlabel("GPUs"); ax.set_ylabel("trained samples/s")
         ax.legend()
-    return "async vs sync scaling (same GPU budget, 64 samples per GPU)", lines, plot
+    return f"async vs sync scaling (same GPU budget, {SAMPLES_PER_GPU} samples per GPU)", lines, plot
 
 
 def exp_split(base: SimConfig):
     n, cfg = 40, scaled(base, 40)
     sync = e2e(cfg, n, 0, 0)
     rows, xs, ys = [["colocated sync", 0, sync["samples_per_s"], 1.0, "", ""]], [], []
-    for r in (12, 16, 20, 24, 28, 32):
+    for r in (16, 20, 24, 28, 32):
         a = e2e(cfg, n, r, 2)
         xs.append(r); ys.append(a["samples_per_s"] / sync["samples_per_s"])
         rows.append([f"{r}/{n - r}", 2, a["samples_per_s"], ys[-1], a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size,
@@ -524,12 +529,12 @@ def exp_calibrate(base: SimConfig):
 
     def plot(ax):
         ax.pie(list(parts.values()), labels=list(parts), autopct="%.0f%%")
-    return "time split of a synchronous colocated step (32 GPUs, 256x8)", lines, plot
+    return f"time split of a synchronous colocated step (32 GPUs, {cfg.batch_groups}x{cfg.group_size})", lines, plot
 
 
 EXPERIMENTS = {"queue": (exp_queue, RLVR), "replication": (exp_replication, RLVR), "envasync": (exp_envasync, AGENT),
-               "scaling": (exp_scaling, replace(RLVR, chunk=128)), "split": (exp_split, replace(RLVR, chunk=128)),
-               "ratio": (exp_ratio, replace(RLVR, chunk=128)), "calibrate": (exp_calibrate, replace(RLVR, chunk=128))}
+               "scaling": (exp_scaling, RLVR), "split": (exp_split, RLVR), "ratio": (exp_ratio, RLVR),
+               "calibrate": (exp_calibrate, RLVR)}
 
 
 def run_experiment(name: str, overrides: dict):
