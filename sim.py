@@ -96,8 +96,9 @@ class SimConfig:
     turns: int = 1                  # model turns per trajectory (multi-turn env)
     pass_a: float = 1.0             # group pass rate p ~ Beta(pass_a, pass_b); (1, 1) = uniform
     pass_b: float = 1.0
-    reward_s: float = 8.0           # verifier latency per sample, mean (s); code/LLM-judge scale, RollPacker's 5-13%
-    reward_std_s: float = 2.0
+    reward_s: float = 5.0           # verifier latency per sample, mean (s): sandbox / LLM-judge scale; with it the
+                                    # reward phase is ~10% of a sync step (RollPacker: 5-13%), see `calibrate`
+    reward_std_s: float = 1.5
     env_mean_s: float = 0.0         # env latency per reset/step (envs.LatencyEnv), mean and std (s)
     env_std_s: float = 0.0
     fail_rate: float = 0.0          # env call failure rate (envs.FaultyEnv), retried by the EnvManager
@@ -108,9 +109,12 @@ class SimConfig:
     k: float = 0.0001               # s per running sequence per step: its KV read, ~1.3k tokens of context
                                     # (the time-weighted mean context of these lengths)
     max_num_seqs: int = 128         # concurrent sequences per engine (~50 GB of KV / 0.15 MB ~ 300k tokens)
+    max_concurrency: int = 192      # trajectories in flight per engine (RolloutConfig): 1.5x max_num_seqs, since a
+                                    # trajectory holds its slot while its verifier runs (~1/5 of its life here);
+                                    # synchronous runs use an even share of the step's tasks instead, see even()
     chunk: int = 64                 # real tokens per fake token (time resolution, see docstring)
     # trainer model
-    train_tok_s: float = 3000.0     # tokens/s per trainer GPU (fwd+bwd + old/ref logprob passes); calibrated so a
+    train_tok_s: float = 1500.0     # tokens/s per trainer GPU (fwd+bwd + old/ref logprob passes); calibrated so a
                                     # colocated sync step spends ~22% training (RollPacker), see `calibrate`
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
     broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL, with bucketing
@@ -235,7 +239,7 @@ async def _simulate(cfg: SimConfig) -> dict:
                             timeout_s=cfg.timeout_s)
     ctrl = Controller(ccfg, buffer, iter(lambda: Problem("q", ""), None), R, log=lambda *a: None)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
-    rcfg = RolloutConfig(max_concurrency=cfg.max_num_seqs, max_tokens=turn_cap, async_ratio=cfg.async_ratio,
+    rcfg = RolloutConfig(max_concurrency=cfg.max_concurrency, max_tokens=turn_cap, async_ratio=cfg.async_ratio,
                          env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,
                          max_total_tokens=2 + cfg.turns * (turn_cap + 1), poll_s=cfg.poll_s,
                          sync_timeout_s=cfg.timeout_s, stop_timeout_s=cfg.timeout_s)
@@ -255,7 +259,7 @@ async def _simulate(cfg: SimConfig) -> dict:
             await proxy.resume()
 
         rng = random.Random(cfg.seed * 7919 + r)
-        barrier = asyncio.Barrier(cfg.max_num_seqs) if cfg.lockstep == "engine" else batch_barrier
+        barrier = asyncio.Barrier(cfg.max_concurrency) if cfg.lockstep == "engine" else batch_barrier
 
         def wrap(env, rng=rng, barrier=barrier):
             env = SimEnv(env, cfg, rng)
@@ -333,9 +337,9 @@ def simulate(cfg: SimConfig) -> dict:
     if cfg.lockstep not in ("", "engine", "batch"):
         raise ValueError(f"lockstep must be '', 'engine' or 'batch', got {cfg.lockstep!r}")
     if cfg.lockstep and (cfg.async_ratio or cfg.filter_equal or cfg.redundant or cfg.env_redundancy or cfg.fail_rate
-                         or cfg.batch_groups * cfg.group_size != cfg.rollout_gpus * cfg.max_num_seqs):
+                         or cfg.batch_groups * cfg.group_size != cfg.rollout_gpus * cfg.max_concurrency):
         raise ValueError("lockstep: needs a synchronous run whose batch fills every engine exactly "
-                         "(B*G == R*max_num_seqs), no filtering, no redundancy, no failures")
+                         "(B*G == R*max_concurrency), no filtering, no redundancy, no failures")
     loop = looptime.new_event_loop(noop_cycles=0)   # nothing external happens: advance time at once
     try:
         return loop.run_until_complete(_simulate(cfg))
@@ -353,7 +357,17 @@ AGENT = SimConfig(env="guess", turns=10, len_median=256, len_sigma=0.5, max_toke
 
 
 def colocated(cfg: SimConfig, gpus: int) -> SimConfig:
-    return replace(cfg, rollout_gpus=gpus, train_gpus=gpus, colocated=True, async_ratio=0)
+    """The synchronous baseline: all `gpus` GPUs generate, then the same GPUs train."""
+    return replace(even(cfg, gpus), train_gpus=gpus, colocated=True, async_ratio=0)
+
+
+def even(cfg: SimConfig, rollout_gpus: int) -> SimConfig:
+    """A synchronous run's best max_concurrency: one step's tasks spread evenly over the engines.
+    EnvManager._pull_tasks takes up to max_concurrency tasks at once, so with a larger value the
+    ranks that poll first take a sync step's whole batch and the others idle."""
+    tasks = (cfg.batch_groups + cfg.redundant) * (cfg.group_size + (cfg.env_redundancy if cfg.env else 0))
+    share = min(cfg.max_concurrency, max(cfg.group_size, math.ceil(tasks / rollout_gpus)))
+    return replace(cfg, rollout_gpus=rollout_gpus, max_concurrency=share)
 
 
 def table(headers: list[str], rows: list[list]) -> list[str]:
@@ -407,19 +421,19 @@ def exp_replication(base: SimConfig):
 
 
 def exp_envasync(base: SimConfig):
-    """Multi-turn, 8 engines x 32 trajectories, env latency normal(10, 10) s per reset and step, sync training."""
+    """Multi-turn, 8 engines x 32 trajectories, 10 turns, env latency normal(10, 10) s per reset and step,
+    synchronous training; rollout time per step."""
     variants = [("lockstep envs per engine (sync baseline)", replace(base, lockstep="engine")),
                 ("lockstep envs, whole batch", replace(base, lockstep="batch")),
                 ("env-level async", base),
-                ("env-level async + redundant env rollout", replace(base, env_redundancy=2,
-                                                                    max_num_seqs=base.max_num_seqs * 10 // 8))]
+                ("env-level async + redundant env rollout", replace(base, env_redundancy=2))]
     res = [(name, simulate(colocated(cfg, cfg.rollout_gpus))) for name, cfg in variants]
     t_sync = res[0][1]["rollout_s"]
     rows = [[name, r["rollout_s"], t_sync / r["rollout_s"], r["step_s"], r["engine_util"]] for name, r in res]
     lines = table(["rollout", "rollout s/step", "speedup vs per-engine lockstep", "step s", "engine util"], rows) + [
         "", f"env-level async: {rows[2][2]:.2f}x over per-engine lockstep, {rows[2][2] / rows[1][2]:.2f}x over "
-        f"whole-batch lockstep (paper 2.46x); with redundant env rollout (10 trajectories per group of 8, 25% more "
-        f"slots): {rows[3][2]:.2f}x (paper, real envs: ALFWorld 2.72x, SWE 1.81x)"]
+        f"whole-batch lockstep (paper 2.46x); with redundant env rollout (10 trajectories per group of 8, the first "
+        f"8 kept; 25% more env instances, same engines): {rows[3][2]:.2f}x (paper, real envs: ALFWorld 2.72x, SWE 1.81x)"]
 
     def plot(ax):
         ax.bar(range(len(res)), [r["rollout_s"] for _, r in res])
@@ -435,11 +449,11 @@ def e2e(base: SimConfig, gpus: int, rollout_gpus: int, alpha: int) -> dict:
     return simulate(replace(base, rollout_gpus=rollout_gpus, train_gpus=gpus - rollout_gpus, async_ratio=alpha))
 
 
-SAMPLES_PER_GPU = 128    # end-to-end runs: the batch grows with the cluster (weak scaling), one engine's worth per GPU
+SAMPLES_PER_GPU = 64     # end-to-end runs: the batch grows with the cluster (weak scaling), half an engine per GPU
 
 
 def scaled(base: SimConfig, gpus: int) -> SimConfig:
-    """B*G = 128 samples per GPU, plus 25% redundant prompts (the filter rate is 22%)."""
+    """B*G = 64 samples per GPU, plus 25% redundant prompts (the filter rate is 22%)."""
     b = gpus * SAMPLES_PER_GPU // base.group_size
     return replace(base, batch_groups=b, redundant=b // 4)
 
@@ -474,7 +488,7 @@ def exp_split(base: SimConfig):
     n, cfg = 40, scaled(base, 40)
     sync = e2e(cfg, n, 0, 0)
     rows, xs, ys = [["colocated sync", 0, sync["samples_per_s"], 1.0, "", ""]], [], []
-    for r in (16, 20, 24, 28, 32):
+    for r in (8, 12, 16, 20, 24, 28):
         a = e2e(cfg, n, r, 2)
         xs.append(r); ys.append(a["samples_per_s"] / sync["samples_per_s"])
         rows.append([f"{r}/{n - r}", 2, a["samples_per_s"], ys[-1], a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size,
@@ -494,14 +508,17 @@ def exp_split(base: SimConfig):
 
 
 def exp_ratio(base: SimConfig):
-    n, r, cfg = 40, 24, scaled(base, 40)
+    """At the split the ideal bound calls balanced, where the pipeline is most sensitive to alpha."""
+    n, cfg = 40, scaled(base, 40)
+    r = best_split(cfg, n)
     sync = e2e(cfg, n, 0, 0)
     rows, xs, ys = [["colocated sync", "", sync["samples_per_s"], 1.0, 0, ""]], [], []
     for alpha in (0, 1, 2, 4, 8):
-        a = e2e(cfg, n, r, alpha) if alpha else simulate(replace(cfg, rollout_gpus=r, train_gpus=n - r, async_ratio=0,
+        a = e2e(cfg, n, r, alpha) if alpha else simulate(replace(even(cfg, r), train_gpus=n - r, async_ratio=0,
                                                                  steps=max(2, cfg.steps - 2), warmup=1))
         xs.append(alpha); ys.append(a["samples_per_s"] / sync["samples_per_s"])
-        rows.append(["24/16 split", alpha, a["samples_per_s"], ys[-1], a["staleness_max"], a.get("efficiency", "")])
+        rows.append([f"{r}/{n - r} split", alpha, a["samples_per_s"], ys[-1], a["staleness_max"],
+                     a.get("efficiency", "")])
     lines = table(["setup", "alpha", "samples/s", "speedup vs colocated sync", "max staleness", "efficiency"], rows) + [
         "", f"alpha 2 reaches {ys[2] / max(ys):.0%} of the best speedup ({max(ys):.2f}x at alpha {xs[ys.index(max(ys))]}) "
         "(paper: alpha = 2 is near-maximal)"]
@@ -511,12 +528,12 @@ def exp_ratio(base: SimConfig):
         ax.axhline(1.0, color="k", ls="--", label="colocated sync")
         ax.set_xlabel("async ratio alpha"); ax.set_ylabel("speedup over colocated sync")
         ax.legend()
-    return "async ratio sweep (40 GPUs, 24 rollout / 16 train)", lines, plot
+    return f"async ratio sweep (40 GPUs, {r} rollout / {n - r} train)", lines, plot
 
 
 def exp_calibrate(base: SimConfig):
     """Where a synchronous colocated step's time goes (RollPacker: rollout 66-72%, reward 5-13%, train 21-23%)."""
-    cfg = replace(scaled(base, 32), steps=max(2, base.steps - 2), warmup=1)
+    cfg = replace(scaled(base, 32), steps=base.steps + 2, warmup=1)     # sync steps are cheap: more of them
     r = simulate(colocated(cfg, 32))
     r0 = simulate(colocated(replace(cfg, reward_s=0.0, reward_std_s=0.0), 32))
     reward = max(0.0, r["rollout_s"] - r0["rollout_s"])

@@ -72,6 +72,11 @@ class Config:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        from losses import VARIANTS
+        if self.loss not in VARIANTS:
+            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(VARIANTS)}")
+        if self.rollout_mode not in ("queue", "batch"):
+            raise ValueError(f"--rollout-mode must be queue or batch, got {self.rollout_mode!r}")
         if self.suspend_mode not in ("keep", "abort"):
             raise ValueError(f"--suspend-mode must be keep or abort, got {self.suspend_mode!r}")
 
