@@ -15,6 +15,26 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
+def run_virtual(coro):
+    """Run a coroutine on an event loop whose clock jumps ahead whenever every task sleeps (looptime):
+    the fake engine's and the envs' asyncio.sleep calls cost no real time."""
+    import looptime
+    loop = looptime.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_model_dir):
+    """(transformers model, tokenizer) of the tiny model, float32, for reference logprobs."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     import tiny_model

@@ -14,14 +14,6 @@ pytestmark = pytest.mark.engine
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
-    model = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    return model, tok
-
-
 def ref_logprobs(model, prompt, tokens) -> list[float]:
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():

@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import random
 
-import looptime
 import pytest
 
 from buffer import Buffer, GroupAssembler, LocalQueues, RolloutTask, Sample
@@ -15,17 +14,10 @@ from env_manager import EnvManager, RolloutConfig, env_seed
 from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
 from fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy
+from conftest import run_virtual
 from task import Problem
 
 STEP = 0.1   # fake decode step, virtual seconds
-
-
-def run_virtual(coro):
-    loop = looptime.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 def now() -> float:

@@ -20,14 +20,6 @@ pytestmark = pytest.mark.engine
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
-    model = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    return model, tok
-
-
 def segments(mask):
     """[(is_action, start, end)] runs of equal mask values."""
     out, i = [], 0

@@ -2,21 +2,12 @@
 
 import asyncio
 
-import looptime
 import pytest
 import torch
 
+from conftest import run_virtual
 from fake_engine import FakeTimedEngine, lognormal_lengths
 from proxy import EngineError, LLMProxy, Sampling, Status
-
-
-def run_virtual(coro):
-    """Run a coroutine on an event loop whose clock jumps ahead whenever every task sleeps."""
-    loop = looptime.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 def make_proxy(**engine_kwargs) -> LLMProxy:

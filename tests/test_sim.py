@@ -55,10 +55,12 @@ def test_dynamic_filtering_has_something_to_filter():
 
 
 def test_env_level_async_beats_lockstep_envs():
-    agent = replace(sim.AGENT, rollout_gpus=2, batch_groups=4, group_size=4, max_num_seqs=8, turns=3,
-                    steps=2, warmup=1, chunk=32)
+    agent = sim.colocated(replace(sim.AGENT, batch_groups=4, group_size=4, max_num_seqs=8, turns=3, steps=2,
+                                  warmup=1, chunk=32), 2)      # 2 engines x 8 trajectories
+    assert agent.max_concurrency == 8
     lock = sim.simulate(replace(agent, lockstep="engine"))
     free = sim.simulate(agent)
+    assert all(row["num_samples"] == 16 and row["tokens"] > 0 for row in lock["rows"] + free["rows"])
     assert free["rollout_s"] < 0.9 * lock["rollout_s"]
 
 
