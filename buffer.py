@@ -178,10 +178,11 @@ class ManagerQueues:
         return self.q(name, rank).qsize()
 
     def shutdown(self):
+        """Stop the queue server (server side only; a connected client has nothing to stop)."""
         if hasattr(self.manager, "shutdown"):
             try:
                 self.manager.shutdown()
-            except Exception:
+            except Exception:   # already gone: shutting down twice is not an error
                 pass
 
 
@@ -236,6 +237,10 @@ class Buffer:
 
     async def put_ack(self, ack: dict):
         await self.t.put("acks", ack)
+
+    def close(self):
+        if hasattr(self.t, "shutdown"):
+            self.t.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
     python sim.py ratio          # async ratio 0, 1, 2, 4, 8
     python sim.py calibrate      # time split of one synchronous colocated step (the constants' check)
     python sim.py all            # everything; each writes results/NAME.md and results/NAME.png
-    common flags: --steps N --warmup N --seed N --chunk TOKENS
+    common flags: --steps N (per run; default 4) --warmup N (async runs; default 2) --seed N --chunk TOKENS
 
 What runs for real: controller.Controller (admission under the async ratio, group assembly,
 dynamic filtering, stale eviction, the three-phase weight sync), buffer.Buffer over LocalQueues,
@@ -25,7 +25,8 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   generation as in ROLL Flash). Per-prompt pass rates make dynamic filtering drop
   E[p^G + (1-p)^G] of the groups (22% at G = 8 with p uniform), roughly DAPO's filter rate;
 - lengths: every sample draws its own length from a lognormal(len_median, len_sigma) capped at
-  max_tokens (the fake engine's length_sampler). Within-prompt length correlation is not modelled;
+  max_tokens (the fake engine's length_sampler), in whole chunks. Within-prompt length correlation
+  (hard prompts -> long answers for the whole group) is not modelled;
 - multi-turn (envasync): SimEnv ends a trajectory after `turns` turns, one-token observations;
   envs.LatencyEnv adds normal(mean, std) latency to reset and every step. The sync-env baseline
   (LockstepEnv) puts an asyncio.Barrier over all trajectories of one engine before and after each
@@ -33,14 +34,19 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   (turn time = slowest generation + slowest env), the classic batched env loop.
 The synchronous baselines: colocated = all N GPUs generate (async ratio 0), then the same N GPUs
 train (train_time(T = N)); split sync = R GPUs generate, T train, async ratio 0; async = R/T with
-ratio alpha. The ideal pipeline bound of a split run is min(rollout capacity, train capacity):
-R engines at full occupancy (max_num_seqs / (t0 + k * max_num_seqs) tokens/s each) over the step's
-expected token demand (B*G*E[len] / (1 - filter rate)), and 1 / train_time(T).
+ratio alpha. Synchronous runs spread a step's tasks evenly (max_concurrency = the even share, see
+even()); async runs let 1.5x max_num_seqs trajectories per engine be in flight, so the engine stays
+full while some trajectories wait for their verifier. The ideal pipeline bound of a split run is
+min(rollout capacity, train capacity): R engines at full occupancy (max_num_seqs / (t0 + k *
+max_num_seqs) tokens/s each) over the step's expected token demand (B*G*E[len] / (1 - filter
+rate), by Monte Carlo over the run's own distributions), and 1 / train_time(T). It ignores the
+weight sync and the freshness bound, so both show up as lost efficiency.
 
 Simplifications (all deliberate; each is documented at its constant):
-- time resolution: one fake-engine token stands for `chunk` real tokens (decode step chunk *
-  (t0 + k * running) s). This coarsens joins, suspends (a suspend waits for the chunk in flight)
-  and the cap; it is what makes 10^5 samples per minute possible in Python;
+- time resolution: one fake-engine token stands for `chunk` = 64 real tokens (decode step chunk *
+  (t0 + k * running) s, ~2 s at full batch). This coarsens joins, lengths and suspends (a suspend
+  waits for the chunk in flight: ~2 s more per weight sync than vLLM's one decode step); it is what
+  makes ~10^3 samples per second of real time possible in Python;
 - no prefill cost, no KV-cache preemption: concurrency is capped by max_num_seqs;
 - the EnvManager polls every poll_s = 1 s of virtual time (the real one: 10 ms) so 128 managers
   don't spend the run polling; an idle manager picks up tasks and sync commands <= 1 s late;
@@ -106,18 +112,20 @@ class SimConfig:
                                     # together) or "batch" (all B*G trajectories do); "" = env-level async
     # engine model: 8B bf16 decode on an 80 GB GPU at ~2 TB/s (16 GB of weights read per step; KV 0.15 MB/token)
     t0: float = 0.020               # s per decode step at batch 0 (weights read + launch overhead)
-    k: float = 0.0001               # s per running sequence per step: its KV read, ~1.3k tokens of context
-                                    # (the time-weighted mean context of these lengths)
+    k: float = 0.0001               # s per running sequence per step: its KV read, ~1k tokens of context (the
+                                    # time-weighted mean context of these lengths + prompt) at ~1.5 TB/s
     max_num_seqs: int = 128         # concurrent sequences per engine (~50 GB of KV / 0.15 MB ~ 300k tokens)
     max_concurrency: int = 192      # trajectories in flight per engine (RolloutConfig): 1.5x max_num_seqs, since a
                                     # trajectory holds its slot while its verifier runs (~1/5 of its life here);
                                     # synchronous runs use an even share of the step's tasks instead, see even()
     chunk: int = 64                 # real tokens per fake token (time resolution, see docstring)
     # trainer model
-    train_tok_s: float = 1500.0     # tokens/s per trainer GPU (fwd+bwd + old/ref logprob passes); calibrated so a
-                                    # colocated sync step spends ~22% training (RollPacker), see `calibrate`
+    train_tok_s: float = 1500.0     # tokens/s per trainer GPU, calibrated so that a colocated sync step spends ~22%
+                                    # training (RollPacker), see `calibrate`. For 8B: fwd+bwd (6 x 8e9 FLOP/token)
+                                    # + old and ref logprob passes (4 x 8e9) = 80 GFLOP/token, i.e. 12% of a
+                                    # 989 TFLOP/s GPU: low, as RL trainers on padded long-tail batches often are
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
-    broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL, with bucketing
+    broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL (~50 GB/s IB) + bucketing
     load_s: float = 1.0             # engine weight load
     # run
     steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline to fill)
@@ -212,16 +220,17 @@ def _demand(median, sigma, cap, chunk, turns, pass_a, pass_b, filter_group, samp
     return samples * response / (1 - q), response + turns * chunk      # + prompt and observations
 
 
-def ideal_steps_per_s(cfg: SimConfig) -> float:
+def ideal_steps_per_s(cfg: SimConfig, occupancy: float = 1.0) -> float:
     gen_tokens, sample_tokens = demand(cfg)
-    rollout = cfg.rollout_gpus * engine_tok_s(cfg) / gen_tokens
+    rollout = occupancy * cfg.rollout_gpus * engine_tok_s(cfg) / gen_tokens
     train = 1 / train_time(cfg, cfg.batch_groups * cfg.group_size * sample_tokens, cfg.train_gpus)
     return min(rollout, train)
 
 
-def best_split(cfg: SimConfig, gpus: int) -> int:
-    """Rollout GPUs that maximise the ideal bound on `gpus` GPUs."""
-    return max(range(1, gpus), key=lambda r: ideal_steps_per_s(replace(cfg, rollout_gpus=r, train_gpus=gpus - r)))
+def best_split(cfg: SimConfig, gpus: int, occupancy: float = 1.0) -> int:
+    """Rollout GPUs that maximise the ideal bound on `gpus` GPUs, the engines kept `occupancy` busy."""
+    return max(range(1, gpus), key=lambda r: ideal_steps_per_s(replace(cfg, rollout_gpus=r, train_gpus=gpus - r),
+                                                               occupancy))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,14 +360,15 @@ def simulate(cfg: SimConfig) -> dict:
 # experiments: each returns (title, markdown table lines, plot function)
 
 RLVR = SimConfig()                                     # the defaults: 8B-class RLVR, 8k cap
-AGENT = SimConfig(env="guess", turns=10, len_median=256, len_sigma=0.5, max_tokens=1024, chunk=16,
+AGENT = SimConfig(env="guess", turns=10, len_median=256, len_sigma=0.5, max_tokens=1024, chunk=32,
                   reward_s=0.0, reward_std_s=0.0, filter_equal=False, env_mean_s=10.0, env_std_s=10.0,
                   max_num_seqs=32, rollout_gpus=8, batch_groups=32, group_size=8, async_ratio=0)
 
 
 def colocated(cfg: SimConfig, gpus: int) -> SimConfig:
-    """The synchronous baseline: all `gpus` GPUs generate, then the same GPUs train."""
-    return replace(even(cfg, gpus), train_gpus=gpus, colocated=True, async_ratio=0)
+    """The synchronous baseline: all `gpus` GPUs generate, then the same GPUs train. No pipeline to
+    fill, so no warm-up steps."""
+    return replace(even(cfg, gpus), train_gpus=gpus, colocated=True, async_ratio=0, warmup=0)
 
 
 def even(cfg: SimConfig, rollout_gpus: int) -> SimConfig:
@@ -381,7 +391,8 @@ def exp_queue(base: SimConfig):
     rows, res = [], {}
     for redundant in (0, 16):
         for mode in ("batch", "queue"):
-            cfg = replace(colocated(base, 8), batch_groups=8, group_size=8, redundant=redundant, rollout_mode=mode)
+            cfg = colocated(replace(base, batch_groups=8, group_size=8, redundant=redundant, rollout_mode=mode,
+                                    steps=2 * base.steps), 8)      # small, cheap steps: twice as many
             res[mode, redundant] = r = simulate(cfg)
             rows.append([mode, redundant, r["rollout_s"], r["filtered"], r["engine_util"]])
     ratios = {n: res["batch", n]["rollout_s"] / res["queue", n]["rollout_s"] for n in (0, 16)}
@@ -399,25 +410,27 @@ def exp_queue(base: SimConfig):
 
 
 def exp_replication(base: SimConfig):
-    """Synchronous rollout on one 8-GPU node (64 sequences each), no filtering: generation time per step."""
-    rows, res = [], {}
-    for b, g in ((64, 16), (16, 32)):
+    """Synchronous rollout, no filtering: generation time per step, on one 8-GPU node (the batch fits
+    the engines at once) and on 2 GPUs (it doesn't: 4 and 2 waves)."""
+    rows, ratio, cases = [], {}, [(gpus, b, g) for gpus in (8, 2) for b, g in ((64, 16), (16, 32))]
+    for gpus, b, g in cases:
+        t = {}
         for rep in (False, True):
-            cfg = replace(colocated(base, 8), batch_groups=b, group_size=g, replicate=rep, filter_equal=False)
-            res[b, g, rep] = r = simulate(cfg)
-            rows.append([f"{b}x{g}", "on" if rep else "off", r["rollout_s"], r["engine_util"]])
-    ratio = {k: res[k + (False,)]["rollout_s"] / res[k + (True,)]["rollout_s"] for k in ((64, 16), (16, 32))}
-    lines = table(["batch x responses", "replication", "generation s/step", "engine util"], rows) + [
-        "", f"off / on: {ratio[64, 16]:.2f}x at 64x16 (paper 1.84x), {ratio[16, 32]:.2f}x at 16x32 (paper 1.95x)"]
+            cfg = colocated(replace(base, batch_groups=b, group_size=g, replicate=rep, filter_equal=False,
+                                    steps=2 * base.steps), gpus)
+            t[rep] = r = simulate(cfg)
+            rows.append([gpus, f"{b}x{g}", "on" if rep else "off", r["rollout_s"], r["engine_util"]])
+        ratio[gpus, b, g] = t[False]["rollout_s"] / t[True]["rollout_s"]
+    lines = table(["GPUs", "batch x responses", "replication", "generation s/step", "engine util"], rows) + [
+        "", "off / on: " + ", ".join(f"{v:.2f}x at {b}x{g} on {gpus} GPUs" for (gpus, b, g), v in ratio.items())
+        + " (paper: 1.84x at 64x16, 1.95x at 16x32)"]
 
     def plot(ax):
-        for i, rep in enumerate((False, True)):
-            ax.bar([x + 0.4 * i for x in (0, 1)], [res[k + (rep,)]["rollout_s"] for k in ((64, 16), (16, 32))], 0.4,
-                   label="replication " + ("on" if rep else "off"))
-        ax.set_xticks([0.2, 1.2], ["64x16", "16x32"])
-        ax.set_ylabel("generation time per step (s)")
-        ax.legend()
-    return "prompt replication (8 GPUs)", lines, plot
+        ax.bar(range(len(cases)), list(ratio.values()))
+        ax.set_xticks(range(len(cases)), [f"{b}x{g}\n{gpus} GPUs" for gpus, b, g in cases])
+        ax.axhline(1.0, color="k", ls="--")
+        ax.set_ylabel("generation time, replication off / on")
+    return "prompt replication", lines, plot
 
 
 def exp_envasync(base: SimConfig):
@@ -444,8 +457,8 @@ def exp_envasync(base: SimConfig):
 
 def e2e(base: SimConfig, gpus: int, rollout_gpus: int, alpha: int) -> dict:
     """One end-to-end run on `gpus` GPUs: colocated sync (rollout_gpus=0) or split with ratio alpha."""
-    if rollout_gpus == 0:      # a sync step needs no pipeline fill: fewer steps
-        return simulate(replace(colocated(base, gpus), steps=max(2, base.steps - 2), warmup=1))
+    if rollout_gpus == 0:        # sync steps are all alike: one fewer
+        return simulate(replace(colocated(base, gpus), steps=max(2, base.steps - 1)))
     return simulate(replace(base, rollout_gpus=rollout_gpus, train_gpus=gpus - rollout_gpus, async_ratio=alpha))
 
 
@@ -458,26 +471,38 @@ def scaled(base: SimConfig, gpus: int) -> SimConfig:
     return replace(base, batch_groups=b, redundant=b // 4)
 
 
+# Rollout occupancy at alpha 2 under this workload's long tail: groups waiting on their longest sample
+# hold the admission window, and samples that outlive alpha + 1 steps are aborted (`ratio` and `split`
+# measure 0.7-0.8 at the split the ideal bound calls balanced). Sizing the rollout pool for it is how
+# one would pick a split in practice ("provisioned"); `scaling` also runs the balanced split at 128 GPUs.
+ALPHA2_OCCUPANCY = 0.75
+
+
 def exp_scaling(base: SimConfig):
     rows, xs, sync_tp, async_tp, ideal_tp = [], [], [], [], []
     for n in (16, 32, 64, 128):
         cfg = scaled(base, n)
-        r_split = best_split(cfg, n)
-        s, a = e2e(cfg, n, 0, 0), e2e(cfg, n, r_split, 2)
+        r = best_split(cfg, n, ALPHA2_OCCUPANCY)
+        s, a = e2e(cfg, n, 0, 0), e2e(cfg, n, r, 2)
         xs.append(n); sync_tp.append(s["samples_per_s"]); async_tp.append(a["samples_per_s"])
         ideal_tp.append(a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size)
-        rows.append([n, f"{cfg.batch_groups}x{cfg.group_size}", s["samples_per_s"], f"{r_split}/{n - r_split}",
-                     a["samples_per_s"], a["samples_per_s"] / s["samples_per_s"], ideal_tp[-1], a["efficiency"],
-                     a["staleness_max"], a["dropped_stale"]])
-    lines = table(["GPUs", "batch", "sync colocated samples/s", "async split R/T", "async (alpha 2) samples/s",
-                   "speedup", "ideal samples/s", "efficiency", "max staleness", "stale drops/step"], rows) + [
+        rows.append([n, f"{cfg.batch_groups}x{cfg.group_size}", s["samples_per_s"], f"{r}/{n - r}", a["samples_per_s"],
+                     a["samples_per_s"] / s["samples_per_s"], ideal_tp[-1], a["efficiency"], a["staleness_max"],
+                     a["dropped_stale"], a["sync_s"]])
+    rb = best_split(cfg, 128)
+    b = e2e(cfg, 128, rb, 2)
+    lines = table(["GPUs", "batch", "sync colocated samples/s", "async split R/T", "async samples/s", "speedup",
+                   "ideal samples/s", "efficiency", "max staleness", "stale drops/step", "weight sync s"], rows) + [
+        "", f"async: alpha 2, split provisioned for a rollout pool kept {ALPHA2_OCCUPANCY:.0%} busy; at the split "
+        f"the ideal bound calls balanced ({rb}/{128 - rb}) 128 GPUs give {b['samples_per_s']:.3g} samples/s, "
+        f"efficiency {b['efficiency']:.1%}. Efficiency = achieved / ideal pipeline bound of the split.",
         "", f"async / sync: {', '.join(f'{r[5]:.2f}x' for r in rows)} at {', '.join(str(x) for x in xs)} GPUs "
         f"(paper: up to 2.24x, near-linear async scaling); async efficiency at 128 GPUs: {rows[-1][7]:.1%}"]
 
     def plot(ax):
         ax.plot(xs, sync_tp, "o-", label="sync (colocated)")
-        ax.plot(xs, async_tp, "o-", label="async (alpha 2, best split)")
-        ax.plot(xs, ideal_tp, "k--", label="ideal pipeline bound")
+        ax.plot(xs, async_tp, "o-", label="async (alpha 2)")
+        ax.plot(xs, ideal_tp, "k--", label="ideal pipeline bound (async split)")
         ax.set_xscale("log", base=2); ax.set_yscale("log", base=2)
         ax.set_xlabel("GPUs"); ax.set_ylabel("trained samples/s")
         ax.legend()
@@ -515,7 +540,7 @@ def exp_ratio(base: SimConfig):
     rows, xs, ys = [["colocated sync", "", sync["samples_per_s"], 1.0, 0, ""]], [], []
     for alpha in (0, 1, 2, 4, 8):
         a = e2e(cfg, n, r, alpha) if alpha else simulate(replace(even(cfg, r), train_gpus=n - r, async_ratio=0,
-                                                                 steps=max(2, cfg.steps - 2), warmup=1))
+                                                                 warmup=0))
         xs.append(alpha); ys.append(a["samples_per_s"] / sync["samples_per_s"])
         rows.append([f"{r}/{n - r} split", alpha, a["samples_per_s"], ys[-1], a["staleness_max"],
                      a.get("efficiency", "")])
@@ -533,7 +558,7 @@ def exp_ratio(base: SimConfig):
 
 def exp_calibrate(base: SimConfig):
     """Where a synchronous colocated step's time goes (RollPacker: rollout 66-72%, reward 5-13%, train 21-23%)."""
-    cfg = replace(scaled(base, 32), steps=base.steps + 2, warmup=1)     # sync steps are cheap: more of them
+    cfg = replace(scaled(base, 32), steps=base.steps + 2)
     r = simulate(colocated(cfg, 32))
     r0 = simulate(colocated(replace(cfg, reward_s=0.0, reward_std_s=0.0), 32))
     reward = max(0.0, r["rollout_s"] - r0["rollout_s"])

@@ -254,7 +254,7 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
         asyncio.run(main())
     finally:
         tell({"op": "stop"})
-        buffer.t.shutdown()
+        buffer.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,15 +40,15 @@ def test_async_beats_sync_on_the_same_split():
 
 
 def test_queue_scheduling_beats_batch_rollout_with_redundant_prompts():
-    cfg = replace(sim.colocated(TINY, 2), redundant=4, steps=4, warmup=1)
+    cfg = sim.colocated(replace(TINY, redundant=4, steps=4), 2)
     batch = sim.simulate(replace(cfg, rollout_mode="batch"))
     queue = sim.simulate(replace(cfg, rollout_mode="queue"))
     assert queue["rollout_s"] < 0.8 * batch["rollout_s"]
 
 
 def test_dynamic_filtering_has_something_to_filter():
-    on = sim.simulate(replace(sim.colocated(TINY, 2), steps=3, warmup=1))
-    off = sim.simulate(replace(sim.colocated(TINY, 2), steps=3, warmup=1, filter_equal=False))
+    on = sim.simulate(sim.colocated(replace(TINY, steps=3), 2))
+    off = sim.simulate(sim.colocated(replace(TINY, steps=3, filter_equal=False), 2))
     assert sum(row["groups_filtered"] for row in on["rows"]) > 0
     assert sum(row["groups_filtered"] for row in off["rows"]) == 0
     assert 0.0 < on["rows"][0]["reward_mean"] < 1.0
