@@ -268,7 +268,7 @@ class GroupAssembler:
         self.filter_equal = filter_equal
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
-        self.dead: set[str] = set()       # groups dropped as stale
+        self.dead: set[str] = set()       # groups that can no longer complete (stale, or a sample given up on)
         self.closed: set[str] = set()     # groups completed (ready, taken or filtered)
         self.samples_dropped_stale = 0
         self.samples_filtered = 0
@@ -276,6 +276,7 @@ class GroupAssembler:
         self.samples_surplus = 0
         self.groups_filtered = 0
         self.groups_dropped_stale = 0
+        self.groups_failed = 0            # groups with a sample the rollout side gave up on
 
     def _fresh(self, s: Sample, version: int) -> bool:
         return fresh(s.oldest_version, version, self.async_ratio)
@@ -288,6 +289,12 @@ class GroupAssembler:
     def add(self, s: Sample, version: int):
         if s.failed:
             self.samples_failed += 1
+            if not s.meta.get("retrying", True) and s.group_id not in self.closed:
+                # the rollout side gave up on this sample: its group can never complete
+                dropped = self.pending.pop(s.group_id, [])
+                self.dead.add(s.group_id)
+                self.samples_failed += len(dropped)
+                self.groups_failed += 1
             return
         if s.group_id in self.dead:
             self.samples_dropped_stale += 1

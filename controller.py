@@ -18,7 +18,7 @@ Rollout modes:
 - "queue": a step ends as soon as B good groups are in; unfinished ones run on (alpha > 0) or are
   aborted when they can no longer be fresh.
 - "batch": the paper's batch-rollout baseline: the step waits for every admitted group to finish
-  (a barrier), then takes B.
+  (a barrier), then takes B; if filtering left fewer than B, another round is admitted.
 
 Weight sync is the paper's three phases: every rollout rank is told to suspend (and acks), the
 weights are broadcast (send_fn), the ranks load them, resume and ack. Every wait has a timeout.
@@ -27,10 +27,10 @@ weights are broadcast (send_fn), the ranks load them, resume and ack. Every wait
 import asyncio
 import itertools
 import random
-import time
 from dataclasses import dataclass
 
 from buffer import Buffer, GroupAssembler, RolloutTask
+from proxy import _now   # event-loop time: real in train.py, virtual in sim.py
 from task import Problem
 
 
@@ -76,7 +76,7 @@ class Controller:
 
     # --- schedule
     def _groups_lost(self) -> int:
-        return self.asm.groups_filtered + self.asm.groups_dropped_stale
+        return self.asm.groups_filtered + self.asm.groups_dropped_stale + self.asm.groups_failed
 
     def admission_capacity(self) -> int:
         """How many more groups may be admitted now (see module docstring)."""
@@ -102,7 +102,7 @@ class Controller:
     # --- run: collect one batch
     async def collect(self) -> tuple[list, dict]:
         cfg, asm = self.cfg, self.asm
-        t0 = time.monotonic()
+        t0 = _now()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered, failed=asm.samples_failed,
                       surplus=asm.samples_surplus)
         self.step_rewards = []
@@ -118,13 +118,16 @@ class Controller:
                 self.step_rewards.append(s.reward)
             if cfg.env and cfg.env_redundancy and len(asm.closed) > closed_before:
                 await self._abort_groups([s.group_id])   # redundant env rollout: the rest is surplus
-            await self.admit()                             # lost groups free admission capacity
+            # lost groups free admission capacity: queue mode refills at once; batch mode only
+            # starts another round once the whole round is in (its barrier)
+            if cfg.rollout_mode == "queue" or self._all_admitted_done():
+                await self.admit()
         groups = asm.take(cfg.batch_groups, self.version)
         self.groups_taken += len(groups)
         batch = [s for g in groups for s in g]
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
-            "time_wait_rollout": time.monotonic() - t0,
+            "time_wait_rollout": _now() - t0,
             "reward_mean": sum(self.step_rewards) / max(len(self.step_rewards), 1),
             "reward_trained_mean": sum(s.reward for s in batch) / len(batch),
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
@@ -150,13 +153,13 @@ class Controller:
     async def sync_weights(self, new_version: int, send_fn, meta=None) -> dict:
         """suspend -> broadcast (send_fn, a blocking collective, run in a thread) -> resume.
         Returns timings and the rollout ranks' acks (which may carry probe logprobs)."""
-        t0 = time.monotonic()
+        t0 = _now()
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, {"cmd": "sync", "version": new_version, "meta": meta})
         await self._wait_acks("suspended", new_version)
-        t1 = time.monotonic()
+        t1 = _now()
         await asyncio.to_thread(send_fn)
-        t2 = time.monotonic()
+        t2 = _now()
         await self._wait_acks("synced", new_version)
         acks = self.pop_acks("loaded", new_version)     # optional extra acks (probe logprobs, engine stats)
         self.version = new_version
@@ -164,7 +167,7 @@ class Controller:
         dropped = self.asm.evict_stale(self.version)
         if dropped:
             await self._abort_groups(dropped)
-        return {"time_weight_sync": time.monotonic() - t0, "time_suspend": t1 - t0, "time_broadcast": t2 - t1,
+        return {"time_weight_sync": _now() - t0, "time_suspend": t1 - t0, "time_broadcast": t2 - t1,
                 "acks": acks}
 
     async def _wait_acks(self, phase: str, version: int) -> list[dict]:

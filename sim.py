@@ -396,7 +396,7 @@ def exp_queue(base: SimConfig):
             res[mode, redundant] = r = simulate(cfg)
             rows.append([mode, redundant, r["rollout_s"], r["filtered"], r["engine_util"]])
     ratios = {n: res["batch", n]["rollout_s"] / res["queue", n]["rollout_s"] for n in (0, 16)}
-    lines = table(["rollout", "redundant prompts", "generation s/step", "groups filtered/step", "engine util"], rows) + [
+    lines = table(["rollout", "redundant prompts", "generation s/step", "groups filtered/step", "engine occupancy"], rows) + [
         "", f"batch / queue generation time: {ratios[16]:.2f}x with 16 redundant prompts (paper: 125 s -> 37 s, 3.4x), "
         f"{ratios[0]:.2f}x with none"]
 
@@ -421,7 +421,7 @@ def exp_replication(base: SimConfig):
             t[rep] = r = simulate(cfg)
             rows.append([gpus, f"{b}x{g}", "on" if rep else "off", r["rollout_s"], r["engine_util"]])
         ratio[gpus, b, g] = t[False]["rollout_s"] / t[True]["rollout_s"]
-    lines = table(["GPUs", "batch x responses", "replication", "generation s/step", "engine util"], rows) + [
+    lines = table(["GPUs", "batch x responses", "replication", "generation s/step", "engine occupancy"], rows) + [
         "", "off / on: " + ", ".join(f"{v:.2f}x at {b}x{g} on {gpus} GPUs" for (gpus, b, g), v in ratio.items())
         + " (paper: 1.84x at 64x16, 1.95x at 16x32)"]
 
@@ -443,7 +443,7 @@ def exp_envasync(base: SimConfig):
     res = [(name, simulate(colocated(cfg, cfg.rollout_gpus))) for name, cfg in variants]
     t_sync = res[0][1]["rollout_s"]
     rows = [[name, r["rollout_s"], t_sync / r["rollout_s"], r["step_s"], r["engine_util"]] for name, r in res]
-    lines = table(["rollout", "rollout s/step", "speedup vs per-engine lockstep", "step s", "engine util"], rows) + [
+    lines = table(["rollout", "rollout s/step", "speedup vs per-engine lockstep", "step s", "engine occupancy"], rows) + [
         "", f"env-level async: {rows[2][2]:.2f}x over per-engine lockstep, {rows[2][2] / rows[1][2]:.2f}x over "
         f"whole-batch lockstep (paper 2.46x); with redundant env rollout (10 trajectories per group of 8, the first "
         f"8 kept; 25% more env instances, same engines): {rows[3][2]:.2f}x (paper, real envs: ALFWorld 2.72x, SWE 1.81x)"]
@@ -516,13 +516,13 @@ def exp_split(base: SimConfig):
     for r in (8, 12, 16, 20, 24, 28):
         a = e2e(cfg, n, r, 2)
         xs.append(r); ys.append(a["samples_per_s"] / sync["samples_per_s"])
-        rows.append([f"{r}/{n - r}", 2, a["samples_per_s"], ys[-1], a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size,
-                     a["efficiency"]])
-    best = xs[ys.index(max(ys))]
+        ideal = a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size
+        rows.append([f"{r}/{n - r}", 2, a["samples_per_s"], ys[-1], ideal, a["efficiency"]])
+    best, balanced = xs[ys.index(max(ys))], best_split(cfg, n)
     lines = table(["rollout/train GPUs", "alpha", "samples/s", "speedup vs colocated sync", "ideal samples/s",
                    "efficiency"], rows) + [
-        "", f"24/16: {ys[xs.index(24)]:.2f}x, best {best}/{n - best}: {max(ys):.2f}x; ideal-bound split {best_split(cfg, n)}/"
-        f"{n - best_split(cfg, n)} (paper: 24/16 close to best, about 2x)"]
+        "", f"24/16: {ys[xs.index(24)]:.2f}x, best {best}/{n - best}: {max(ys):.2f}x; ideal-bound split "
+        f"{balanced}/{n - balanced} (paper: 24/16 close to best, about 2x)"]
 
     def plot(ax):
         ax.plot(xs, ys, "o-")

@@ -106,3 +106,19 @@ def test_manager_queues_over_tcp():
             ManagerQueues.connect("127.0.0.1", port, b"wrong-key", num_ranks=1, timeout_s=2)
     finally:
         server.shutdown()
+
+
+def test_a_sample_given_up_on_kills_its_group():
+    """After its last retry fails, a sample never comes: its group must not stay pending forever."""
+    asm = GroupAssembler(group_size=3, async_ratio=1)
+    asm.add(sample("a", [0], 1.0, i=0), 0)
+    s = sample("a", [0], failed=True, i=1)
+    s.meta["retrying"] = True
+    asm.add(s, 0)                                  # will be retried: the group waits
+    assert "a" in asm.pending and asm.groups_failed == 0
+    s = sample("a", [0], failed=True, i=2)
+    s.meta["retrying"] = False
+    asm.add(s, 0)                                  # given up: the group is lost, and counted
+    assert "a" not in asm.pending and asm.groups_failed == 1 and asm.samples_failed == 3
+    asm.add(sample("a", [0], 0.0, i=3), 0)         # a straggler of the lost group is dropped
+    assert not asm.pending and not asm.ready
