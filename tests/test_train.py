@@ -7,7 +7,6 @@ the checkpoint's step and version."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -45,11 +44,28 @@ def torchrun(out_dir, *args) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def kill_tree(pid: int):
+    """SIGKILL torchrun and everything under it. torchrun starts each worker in a session of its
+    own, so killing torchrun's process group alone would leave the ranks running."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
 def finish(p: subprocess.Popen, out_dir, timeout=420) -> list[dict]:
     try:
         rc = p.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        kill_tree(p.pid)
         raise
     log = Path(out_dir).with_suffix(".log").read_text()
     assert rc == 0, log[-3000:]
@@ -87,7 +103,7 @@ def test_kill_and_resume(tmp_path):
         assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGKILL)       # a crash: no cleanup, no final checkpoint
+    kill_tree(p.pid)                       # a crash of every rank at once: no cleanup, no final checkpoint
     p.wait(30)
     time.sleep(2)                          # let the killed engines' ports close
     state = json.loads((out / "checkpoint" / "state.json").read_text())
