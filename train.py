@@ -123,6 +123,15 @@ def init_distributed(cfg: Config):
     return rank, world, ("cuda" if cuda else "cpu"), trainer_group, sync_group
 
 
+def collective(phase: str, fn, *args, **kwargs):
+    """Run a torch.distributed call; a timeout or a dead peer fails naming this rank and the phase
+    (the groups carry the timeout: --timeout-s, longer for the default group's start-up)."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {os.environ.get('RANK', '?')}: {phase} failed or timed out: {e}") from None
+
+
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -160,7 +169,8 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
     def follow():   # trainer ranks > 0: do what rank 0 says, in lockstep (collectives inside)
         while True:
             obj = [None]
-            dist.broadcast_object_list(obj, src=0, group=trainer_group)
+            collective("waiting for trainer rank 0's next command", dist.broadcast_object_list, obj, src=0,
+                       group=trainer_group)
             cmd = obj[0]
             if cmd["op"] == "stop":
                 return
@@ -174,7 +184,8 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
 
     def tell(cmd):
         if cfg.train_gpus > 1:
-            dist.broadcast_object_list([cmd], src=0, group=trainer_group)
+            collective(f"sending '{cmd['op']}' to the trainer ranks", dist.broadcast_object_list, [cmd], src=0,
+                       group=trainer_group)
 
     if rank != 0:
         return follow()
@@ -325,7 +336,7 @@ def main():
             import tiny_model
             if rank == 0:
                 tiny_model.ensure_tiny_model(log=print0)
-            dist.barrier()
+            collective("waiting for rank 0 to build the tiny model", dist.barrier)
             model_dir = str(tiny_model.DEFAULT_DIR)
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
@@ -338,12 +349,12 @@ def main():
                    + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
-        dist.broadcast_object_list(addr, src=0)
+        collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
         if rank < cfg.train_gpus:
             run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, addr[0])
         else:
             run_rollout(cfg, rank, device, sync_group, model_dir, state, addr[0])
-        dist.barrier()
+        collective("final barrier", dist.barrier)
     finally:
         cleanup()
 
