@@ -58,14 +58,13 @@ class ControllerConfig:
 
 class Controller:
     def __init__(self, cfg: ControllerConfig, buffer: Buffer, problems, num_rollout_ranks: int,
-                 version: int = 0, log=print):
+                 version: int = 0):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
         self.num_ranks = num_rollout_ranks
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
-        self.log = log
         self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_equal)
         self.groups_admitted = 0
         self.groups_taken = 0

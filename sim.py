@@ -246,7 +246,7 @@ async def _simulate(cfg: SimConfig) -> dict:
                             redundant=cfg.redundant, replicate=cfg.replicate, rollout_mode=cfg.rollout_mode,
                             filter_equal=cfg.filter_equal, env=cfg.env, env_redundancy=cfg.env_redundancy,
                             timeout_s=cfg.timeout_s)
-    ctrl = Controller(ccfg, buffer, iter(lambda: Problem("q", ""), None), R, log=lambda *a: None)
+    ctrl = Controller(ccfg, buffer, iter(lambda: Problem("q", ""), None), R)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
     rcfg = RolloutConfig(max_concurrency=cfg.max_concurrency, max_tokens=turn_cap, async_ratio=cfg.async_ratio,
                          env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,

@@ -198,7 +198,7 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
     ccfg = ControllerConfig(batch_groups=cfg.batch_groups, group_size=cfg.group_size, async_ratio=cfg.async_ratio,
                             redundant=cfg.redundant, replicate=cfg.replicate, rollout_mode=cfg.rollout_mode,
                             env=cfg.env, timeout_s=cfg.timeout_s)
-    ctrl = Controller(ccfg, buffer, stream, cfg.rollout_gpus, version=version, log=print0)
+    ctrl = Controller(ccfg, buffer, stream, cfg.rollout_gpus, version=version)
     metrics_path = Path(cfg.out_dir) / "metrics.jsonl"
     last_engine: dict[int, dict] = {}
 

@@ -61,6 +61,19 @@ async def stop_all(buf, managers, runs):
     return stats
 
 
+def run_one_task(tok, task, **manager_kwargs):
+    """One EnvManager, one task: its sample, in virtual time."""
+    async def main():
+        buf = Buffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, **manager_kwargs)
+        await buf.put_task(task)
+        run = asyncio.create_task(m.run())
+        [(_, s)] = await collect(buf, 1)
+        await stop_all(buf, [m], [run])
+        return s
+    return run_virtual(main())
+
+
 def script(tok, text):
     """A fake-engine `respond` that always answers `text` then EOS."""
     return lambda prompt_ids: tok.encode(text) + [tok.eos_token_id]
@@ -330,15 +343,7 @@ def test_multi_turn_masks_logprobs_and_versions(tok):
         turn = tok.decode(prompt_ids).count("=") - 1
         return tok.encode(str(truth[turn] + (1 if turn == 1 else 0))) + [tok.eos_token_id]
 
-    async def main():
-        buf = Buffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, respond=respond)
-        await buf.put_task(add_task("c", gid, env="chain"))
-        run = asyncio.create_task(m.run())
-        [(_, s)] = await collect(buf, 1)
-        await stop_all(buf, [m], [run])
-        return s
-    s = run_virtual(main())
+    s = run_one_task(tok, add_task("c", gid, env="chain"), respond=respond)
     t = env.terms
     assert tok.decode(s.prompt_ids) == f"{t[0]}+{t[1]}="
     actions = [f"{truth[0]}<eos>", f"{truth[1] + 1}<eos>", f"{truth[2]}<eos>"]
@@ -360,15 +365,7 @@ def test_multi_turn_stops_at_token_cap(tok):
     ends when the next turn no longer fits max_total_tokens, with the reward so far."""
     gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
 
-    async def main():
-        buf = Buffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=60, max_turns=50), respond=script(tok, "99"))
-        await buf.put_task(add_task("g", gid, env="guess"))
-        run = asyncio.create_task(m.run())
-        [(_, s)] = await collect(buf, 1)
-        await stop_all(buf, [m], [run])
-        return s
-    s = run_virtual(main())
+    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=RolloutConfig(max_total_tokens=60, max_turns=50), respond=script(tok, "99"))
     assert s.num_tokens <= 60 and s.num_tokens + len(tok.encode(" lower:\n")) + 1 > 60
     assert s.finish_reason == "length" and s.reward == 0.0 and 1 < s.num_turns < 50
     assert tok.decode(s.response_ids).startswith("99<eos> lower:\n99<eos>")
@@ -378,15 +375,7 @@ def test_multi_turn_stops_at_token_cap(tok):
 def test_multi_turn_stops_at_max_turns(tok):
     gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
 
-    async def main():
-        buf = Buffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_turns=3), respond=script(tok, "99"))
-        await buf.put_task(add_task("g", gid, env="guess"))
-        run = asyncio.create_task(m.run())
-        [(_, s)] = await collect(buf, 1)
-        await stop_all(buf, [m], [run])
-        return s
-    s = run_virtual(main())
+    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=RolloutConfig(max_turns=3), respond=script(tok, "99"))
     assert tok.decode(s.response_ids) == "99<eos> lower:\n99<eos> lower:\n99<eos>"    # no trailing observation
     assert s.num_turns == 3 and s.finish_reason == "length" and s.loss_mask[-1] == 1
 

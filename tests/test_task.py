@@ -1,7 +1,6 @@
 """task.py: the default task, the verifiers, and the dataset reader's errors."""
 
 import json
-import random
 
 import pytest
 
