@@ -3,8 +3,8 @@
     .venv/bin/python bench.py                     # 2 real vLLM CPU engines + the real trainer, ~4 min
     .venv/bin/python bench.py --steps 10 --batch-groups 8 --group-size 8
 
-Real parts: two vLLM engines (one core each) behind LLMProxy, the project's EnvManager, Controller,
-Buffer and Trainer (real optimizer steps on the tiny model), real weight updates into the engines
+Real parts: two vLLM engines (one core each) behind LLMProxy, the project's EnvManager, AsyncController,
+SampleBuffer and Trainer (real optimizer steps on the tiny model), real weight updates into the engines
 after every step. The same engines serve every configuration in turn, so start-up is paid once:
 
     sync            async ratio 0, queue scheduling, prompt replication        (the baseline)
@@ -47,30 +47,25 @@ def problems(seed: int, median: float, sigma: float, cap: int):
 
 
 async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict:
-    from buffer import Buffer, LocalQueues
-    from controller import Controller, ControllerConfig
+    from buffer import LocalQueues, SampleBuffer
+    from controller import AsyncController, ControllerConfig
     from env_manager import EnvManager, RolloutConfig
     from losses import group_advantages
 
-    buffer = Buffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
+    buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_equal=False,
                             timeout_s=300, **overrides)
     version = proxies[0].version
-    ctrl = Controller(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
+    ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
                       version=version)
     latest: list = []                                   # the weights of the newest version
 
-    def make_sync(rank, proxy):
-        async def weight_sync(cmd):
-            await proxy.suspend("keep")
-            await buffer.put_ack({"rank": rank, "phase": "suspended", "version": cmd["version"]})
-            await proxy.update_weights(latest, cmd["version"])
-            await proxy.resume()
-            await buffer.put_ack({"rank": rank, "phase": "loaded", "version": cmd["version"], "engine": proxy.stats()})
-        return weight_sync
+    async def receive_weights(cmd):                     # the transport: in-process, straight from the trainer
+        return latest
 
     rcfg = RolloutConfig(max_concurrency=args.max_concurrency, async_ratio=ccfg.async_ratio, max_total_tokens=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, weight_sync=make_sync(r, p)) for r, p in enumerate(proxies)]
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, receive_weights=receive_weights)
+                for r, p in enumerate(proxies)]
     runs = [asyncio.create_task(m.run()) for m in managers]
     step_times, stale = [], []
     for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed

@@ -3,24 +3,29 @@
     controller (trainer rank 0)                      rollout ranks (env_manager.py)
       put_task(RolloutTask)  ---- task queue ---->     get_task()
       get_sample()           <--- sample queue ----    put_sample(Sample)
-      send_command(rank, ..) ---- command queues -->   get_command()        (weight sync, stop)
-      get_ack()              <--- ack queue -------    put_ack(...)
+      send_command(rank, Command) -- command queues ->  get_command()     (weight sync, aborts, stop)
+      get_ack()              <--- ack queue -------    put_ack(Ack)
+
+The messages on the command and ack queues are the Command and Ack dataclasses below, with their
+kinds and phases named by the Cmd and Phase enums: the protocol lives here, in one place, and
+controller.py's docstring has the table of who sends what and which timeout bounds it.
 
 Transport is a small swappable detail:
 - LocalQueues: asyncio queues in one process (unit tests and sim.py, including virtual time);
 - ManagerQueues: multiprocessing.managers queues served over TCP by trainer rank 0 on the master
   address with an authkey (train.py under torchrun, also across nodes). Calls from asyncio code poll
   get_nowait with a short sleep, so an event loop is never blocked by a queue.
-Both are wrapped by `Buffer`, whose methods are async and all take a timeout: a queue that stays
+Both are wrapped by `SampleBuffer`, whose methods are async and all take a timeout: a queue that stays
 empty past it raises TimeoutError naming the queue and the caller.
 
 Freshness (the paper's async ratio alpha): a sample is usable for the update that produces version
 v + 1 (trainer at version v) only if its oldest token came from a policy no older than v - alpha.
-`Buffer.fresh(sample, version)` is the one place that rule lives; the controller drops and counts
-samples that fail it, and the env managers abort running work that can no longer pass it.
+`fresh(oldest_version, version, async_ratio)` is the one place that rule lives: the controller drops
+and counts samples that fail it, and the env managers abort running work that can no longer pass it.
 """
 
 import asyncio
+import enum
 import queue
 import time
 from dataclasses import dataclass, field
@@ -70,6 +75,42 @@ class Sample:
 def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
     """Freshness rule: usable by the trainer at `version` iff oldest >= version - async_ratio."""
     return sample_oldest_version >= version - async_ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# the control protocol: controller -> rollout rank commands, rollout rank -> controller acks
+
+
+class Cmd(enum.StrEnum):
+    SYNC = "sync"                  # load weights `version`: suspend, ack, receive, load, resume, ack
+    ABORT_GROUPS = "abort_groups"  # the controller no longer wants these groups: abort their work
+    STOP = "stop"                  # end the rollout loop (ack STOPPED)
+
+
+class Phase(enum.StrEnum):
+    READY = "ready"                # the rank's engine is up and its rollout loop runs
+    SUSPENDED = "suspended"        # SYNC: the engine is paused; the rank now receives the weights
+    SYNCED = "synced"              # SYNC: loaded, resumed, stale work aborted; carries engine stats, probe
+    STOPPED = "stopped"            # STOP: every trajectory ended; carries the rank's counters
+
+
+@dataclass
+class Command:
+    kind: Cmd
+    version: int | None = None             # SYNC: the version being loaded
+    meta: list | None = None               # SYNC: (name, shape, dtype) per weight, the receiver's bucket plan
+    probe: bool = False                    # SYNC: score the probe sequence after loading (ack.probe)
+    group_ids: list[str] = field(default_factory=list)   # ABORT_GROUPS
+
+
+@dataclass
+class Ack:
+    rank: int                              # rollout rank index (its command queue)
+    phase: Phase
+    version: int | None = None             # SUSPENDED, SYNCED: the version of the SYNC being acked
+    engine: dict | None = None             # SYNCED: proxy.stats() after the load (busy/idle seconds...)
+    probe: list[float] | None = None       # SYNCED with Command.probe: engine logprobs of the probe
+    stats: dict | None = None              # STOPPED: the env manager's counters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +231,7 @@ class ManagerQueues:
 # the buffer: named operations with timeouts over either transport
 
 
-class Buffer:
+class SampleBuffer:
     def __init__(self, transport, who: str = "?", timeout_s: float = 600.0):
         self.t = transport
         self.who = who              # e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
@@ -213,10 +254,10 @@ class Buffer:
     def get_sample_nowait(self) -> Sample | None:
         return self.t.get_nowait("samples")
 
-    async def send_command(self, rank: int, cmd: dict):
+    async def send_command(self, rank: int, cmd: Command):
         await self.t.put("commands", cmd, rank)
 
-    async def get_ack(self, phase: str, timeout: float | None = None) -> dict:
+    async def get_ack(self, phase: str, timeout: float | None = None) -> Ack:
         return await self._get("acks", phase, timeout=timeout)
 
     def num_queued_tasks(self) -> int:
@@ -232,10 +273,10 @@ class Buffer:
     async def put_sample(self, s: Sample):
         await self.t.put("samples", s)
 
-    def get_command_nowait(self, rank: int) -> dict | None:
+    def get_command_nowait(self, rank: int) -> Command | None:
         return self.t.get_nowait("commands", rank)
 
-    async def put_ack(self, ack: dict):
+    async def put_ack(self, ack: Ack):
         await self.t.put("acks", ack)
 
     def close(self):

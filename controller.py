@@ -4,15 +4,15 @@ Each training step is schedule -> run -> postprocess:
 
     batch, info = await ctrl.collect()          # admit prompts under the async ratio, gather B groups
     ... trainer.train_step(batch) on every trainer rank ...
-    await ctrl.sync_weights(send_fn)            # suspend rollout -> broadcast weights -> resume
+    sync = await ctrl.sync_weights(version + 1, send_fn, meta)   # suspend -> broadcast -> load -> resume
 
 Admission (the async ratio alpha): the trainer at version v consumes B groups per step, and a
 sample may be at most alpha versions older than the trainer that uses it. So the controller keeps
 at most (v - v0 + alpha + 1) * B groups "alive" (admitted and not yet lost; v0 = the version the
-controller started at) plus `redundant` extra
-groups, the head start that dynamic filtering burns. alpha = 0 is the synchronous baseline in the
-same code: one batch admitted, collected, trained on, weights updated, repeat. A group that is
-filtered or dropped as stale frees its place, so more prompts are admitted to replace it.
+controller started at) plus `redundant` extra groups, the head start that dynamic filtering burns.
+alpha = 0 is the synchronous baseline in the same code: one batch admitted, collected, trained on,
+weights updated, repeat. A group that is filtered or dropped as stale frees its place, so more
+prompts are admitted to replace it.
 
 Rollout modes:
 - "queue": a step ends as soon as B good groups are in; unfinished ones run on (alpha > 0) or are
@@ -20,8 +20,21 @@ Rollout modes:
 - "batch": the paper's batch-rollout baseline: the step waits for every admitted group to finish
   (a barrier), then takes B; if filtering left fewer than B, another round is admitted.
 
-Weight sync is the paper's three phases: every rollout rank is told to suspend (and acks), the
-weights are broadcast (send_fn), the ranks load them, resume and ack. Every wait has a timeout.
+The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues; R = rollout ranks):
+
+| message | sender -> receiver | carries | bounded by |
+|---|---|---|---|
+| Ack READY | each rollout rank -> controller | rank | wait_ready: timeout_s |
+| Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), probe flag | - |
+| Ack SUSPENDED | rollout rank -> controller | rank, version: the engine is paused | sync_weights: timeout_s |
+| (the broadcast) | trainer rank 0 -> rollout ranks | the weights, in buckets (send_fn / receive_weights) | the sync group's timeout |
+| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs | sync_weights: timeout_s; rank side: sync_timeout_s |
+| Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
+| Cmd STOP | controller -> each rollout rank | - | - |
+| Ack STOPPED | rollout rank -> controller | rank, the env manager's counters | stop: timeout_s |
+
+The rollout side of SYNC lives in env_manager.EnvManager._sync; this side is sync_weights. A wait
+that times out names the ranks that did not ack and the phase.
 """
 
 import asyncio
@@ -29,8 +42,9 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from buffer import Buffer, GroupAssembler, RolloutTask
-from proxy import _now   # event-loop time: real in train.py, virtual in sim.py
+from buffer import Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
+from config import flag
+from proxy import now   # event-loop time: real in train.py, virtual in sim.py
 from task import Problem
 
 
@@ -48,16 +62,18 @@ class ControllerConfig:
     timeout_s: float = 600.0      # max wait for a sample or an ack
 
     def __post_init__(self):
-        if self.batch_groups < 1 or self.group_size < 1:
-            raise ValueError("ControllerConfig: batch_groups and group_size must be >= 1")
-        if self.async_ratio < 0:
-            raise ValueError(f"--async-ratio must be >= 0, got {self.async_ratio}")
+        for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
+                          ("env_redundancy", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
         if self.rollout_mode not in ("queue", "batch"):
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
 
 
-class Controller:
-    def __init__(self, cfg: ControllerConfig, buffer: Buffer, problems, num_rollout_ranks: int,
+class AsyncController:
+    def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
                  version: int = 0):
         self.cfg = cfg
         self.buffer = buffer
@@ -71,7 +87,8 @@ class Controller:
         self.admitted_by_group: dict[str, int] = {}
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
-        self._acks: list[dict] = []            # acks received but not yet waited for
+        self.acks: list[Ack] = []              # acks received but not yet waited for
+        self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
 
     # --- schedule
     def _groups_lost(self) -> int:
@@ -101,7 +118,7 @@ class Controller:
     # --- run: collect one batch
     async def collect(self) -> tuple[list, dict]:
         cfg, asm = self.cfg, self.asm
-        t0 = _now()
+        t0 = now()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered, failed=asm.samples_failed,
                       surplus=asm.samples_surplus)
         self.step_rewards = []
@@ -126,7 +143,7 @@ class Controller:
         batch = [s for g in groups for s in g]
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
-            "time_wait_rollout": _now() - t0,
+            "time_wait_rollout": now() - t0,
             "reward_mean": sum(self.step_rewards) / max(len(self.step_rewards), 1),
             "reward_trained_mean": sum(s.reward for s in batch) / len(batch),
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
@@ -146,55 +163,71 @@ class Controller:
 
     async def _abort_groups(self, group_ids: list[str]):
         for r in range(self.num_ranks):
-            await self.buffer.send_command(r, {"cmd": "abort_groups", "group_ids": group_ids})
+            await self.buffer.send_command(r, Command(Cmd.ABORT_GROUPS, group_ids=group_ids))
 
     # --- postprocess: weight sync, the paper's three phases
-    async def sync_weights(self, new_version: int, send_fn, meta=None) -> dict:
-        """suspend -> broadcast (send_fn, a blocking collective, run in a thread) -> resume.
-        Returns timings and the rollout ranks' acks (which may carry probe logprobs)."""
-        t0 = _now()
+    async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None) -> dict:
+        """suspend -> broadcast (send_fn, a blocking collective, run in a thread) -> load + resume.
+        probe_ref: the trainer's logprobs of the probe; given, the ranks score it too and the
+        largest difference is returned. Returns timings, rollout utilisation since the previous
+        sync, the probe difference, and the SYNCED acks."""
+        t0 = now()
         for r in range(self.num_ranks):
-            await self.buffer.send_command(r, {"cmd": "sync", "version": new_version, "meta": meta})
-        await self._wait_acks("suspended", new_version)
-        t1 = _now()
+            await self.buffer.send_command(r, Command(Cmd.SYNC, new_version, meta, probe=probe_ref is not None))
+        await self._wait_acks(Phase.SUSPENDED, new_version)
+        t1 = now()
         await asyncio.to_thread(send_fn)
-        t2 = _now()
-        await self._wait_acks("synced", new_version)
-        acks = self.pop_acks("loaded", new_version)     # optional extra acks (probe logprobs, engine stats)
+        t2 = now()
+        acks = await self._wait_acks(Phase.SYNCED, new_version)
         self.version = new_version
         # groups that can no longer be fresh: drop them here and stop their running samples
         dropped = self.asm.evict_stale(self.version)
         if dropped:
             await self._abort_groups(dropped)
-        return {"time_weight_sync": _now() - t0, "time_suspend": t1 - t0, "time_broadcast": t2 - t1,
-                "acks": acks}
+        diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
+        return {"time_weight_sync": now() - t0, "time_suspend": t1 - t0, "time_broadcast": t2 - t1,
+                "rollout_utilisation": self._utilisation(acks),
+                "sync_probe_max_diff": max(diffs) if probe_ref is not None and diffs else None, "acks": acks}
 
-    async def _wait_acks(self, phase: str, version: int) -> list[dict]:
+    def _utilisation(self, acks: list[Ack]) -> float:
+        """Engine busy time / wall time since each rank's previous SYNCED ack, over all ranks."""
+        busy = elapsed = 0.0
+        for ack in acks:
+            e, prev = ack.engine, self.last_engine.get(ack.rank, {"busy_s": 0.0, "idle_s": 0.0})
+            busy += e["busy_s"] - prev["busy_s"]
+            elapsed += (e["busy_s"] + e["idle_s"]) - (prev["busy_s"] + prev["idle_s"])
+            self.last_engine[ack.rank] = e
+        return busy / elapsed if elapsed > 0 else 0.0
+
+    async def _wait_acks(self, phase: Phase, version: int | None) -> list[Ack]:
         """Wait until every rollout rank acked `phase` for `version`. Acks of other phases that
-        arrive meanwhile are kept for later (each rank's acks arrive in the order it sent them)."""
-        def match(a):
-            return a.get("phase") == phase and a.get("version") == version
-        while sum(map(match, self._acks)) < self.num_ranks:
-            self._acks.append(await self.buffer.get_ack(f"weight sync ({phase}, version {version})",
-                                                        timeout=self.cfg.timeout_s))
-        got = [a for a in self._acks if match(a)]
-        self._acks = [a for a in self._acks if not match(a)]
-        return got
-
-    def pop_acks(self, phase: str, version: int) -> list[dict]:
-        got = [a for a in self._acks if a.get("phase") == phase and a.get("version") == version]
-        self._acks = [a for a in self._acks if a not in got]
+        arrive meanwhile are kept for later (each rank's acks arrive in the order it sent them).
+        A timeout names the ranks still missing."""
+        def match(a: Ack):
+            return a.phase == phase and a.version == version
+        deadline = now() + self.cfg.timeout_s
+        while sum(map(match, self.acks)) < self.num_ranks:
+            try:
+                self.acks.append(await self.buffer.get_ack(f"{phase} acks", timeout=max(0.0, deadline - now())))
+            except TimeoutError:
+                got = {a.rank for a in self.acks if match(a)}
+                missing = [r for r in range(self.num_ranks) if r not in got]
+                raise TimeoutError(f"{self.buffer.who}: rollout rank(s) {missing} did not ack {phase}"
+                                   + (f" for version {version}" if version is not None else "")
+                                   + f" within {self.cfg.timeout_s:.0f}s") from None
+        got = [a for a in self.acks if match(a)]
+        self.acks = [a for a in self.acks if not match(a)]
         return got
 
     async def wait_ready(self):
-        """Wait until every rollout rank reports its engine up (ack phase "ready")."""
-        await self._wait_acks("ready", None)
+        """Wait until every rollout rank reports its engine up (ack READY)."""
+        await self._wait_acks(Phase.READY, None)
 
-    async def stop(self):
-        """Tell every rollout rank to stop, and wait until each has."""
+    async def stop(self) -> list[dict]:
+        """Tell every rollout rank to stop, and wait until each has; returns their counters."""
         for r in range(self.num_ranks):
-            await self.buffer.send_command(r, {"cmd": "stop"})
-        await self._wait_acks("stopped", None)
+            await self.buffer.send_command(r, Command(Cmd.STOP))
+        return [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
 
 
 def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, make=None):

@@ -1,20 +1,33 @@
-"""env_manager.py: the rollout side of one rank. Many concurrent trajectory loops over one LLMProxy.
+"""env_manager.py: the rollout side of one rank. Many concurrent trajectories over one LLMProxy.
 
-    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), weight_sync=sync)
-    stats = await mgr.run()        # until the controller sends {"cmd": "stop"}
+    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), receive_weights=recv)
+    stats = await mgr.run()        # acks READY, then runs until the controller sends Cmd.STOP
 
-Control loop (run): every `poll_s` (or at once when a slot frees) it
-- handles commands from this rank's command queue: "sync" (weight update, then abort work that
-  can never be fresh again), "abort_groups" (the controller no longer wants these groups), "stop";
-- pulls RolloutTasks from the shared task queue while it has free slots, each into its own asyncio
-  task. A task with num_samples n takes n slots.
-Nothing waits for anything else: every trajectory is generated, rewarded and put on the sample
-queue the moment it ends (queue scheduling). The controller issues a group's samples as separate
-tasks, so they spread over every rank pulling from the queue (prompt replication). The one barrier
-is deliberate: a task with num_samples > 1 (the batch baseline the paper compares against) is
-generated here in full and its samples are put together when the last one ends.
+Two parts, one job each:
+- run_trajectory(proxy, new_env, tokenizer, cfg, task) -> Sample: the paper's environment-level loop
+  for one sample (reset, generate, step, reward, retries). Knows nothing of slots or commands.
+- EnvManager: slot scheduling and the commands of the controller. Every `poll_s` (or at once when a
+  slot frees) it handles this rank's commands (buffer.Cmd: SYNC, ABORT_GROUPS, STOP) and pulls
+  RolloutTasks from the shared task queue while it has free slots, each into its own asyncio task
+  (a task with num_samples n takes n slots).
 
-A trajectory is its own loop (environment-level async rollout):
+Nothing waits for anything else: every trajectory is generated, rewarded and put on the sample queue
+the moment it ends (queue scheduling). The controller issues a group's samples as separate tasks, so
+they spread over every rank pulling from the queue (prompt replication). The one barrier is
+deliberate: a task with num_samples > 1 (the batch baseline the paper compares against) is generated
+here in full and its samples are put together when the last one ends.
+
+Weight sync, the rollout side of controller.AsyncController.sync_weights (Cmd.SYNC):
+
+    proxy.suspend(cfg.suspend_mode) -> ack SUSPENDED -> named = await receive_weights(cmd)
+    -> proxy.update_weights(named, version) -> proxy.resume() -> abort work that can no longer be
+    fresh -> ack SYNCED (engine stats; the probe's logprobs when cmd.probe)
+
+`receive_weights(cmd) -> [(name, tensor)]` is the transport, injected: train.py receives the
+trainer's torch.distributed broadcast, sim.py sleeps the modelled broadcast time, bench.py and the
+tests hand the tensors over directly. Everything else about a sync is here, the same in all of them.
+
+A trajectory (run_trajectory):
 
     obs = env.reset(seed); repeat: action = generate(prompt + response so far); obs, r, done = env.step(action)
 
@@ -31,12 +44,12 @@ the env says done, after max_turns turns, or when the next turn would not fit ma
 (finish_reason "length"; the reward so far stands). Problem.target_len > 0 (benchmarks) makes every
 turn generate exactly that many tokens (ignore_eos), still capped by max_total_tokens.
 
-Failures: an env call (reset or step) that raises or exceeds env_step_timeout_s fails the
-trajectory: counted, reported as a Sample with failed=True (never trained on; the GroupAssembler
-counts it) and rerun with a fresh env instance, up to max_retries times. An engine failure
-(proxy.EngineError) is not an env failure: run() raises it, naming the rank.
+Failures: an env call (reset or step) that raises or exceeds env_step_timeout_s fails the attempt:
+reported as a Sample with failed=True (never trained on; the GroupAssembler counts it) and rerun
+with a fresh env instance, up to max_retries times. An engine failure (proxy.EngineError) is not an
+env failure: run() raises it, naming the rank.
 
-Aborts (sync staleness, abort_groups, stop) end the engine request with proxy.abort and cancel the
+Aborts (sync staleness, ABORT_GROUPS, STOP) end the engine request with proxy.abort and cancel the
 trajectory's asyncio task; its slots are freed and no sample is sent.
 
 Simplifications and deviations, on purpose:
@@ -49,7 +62,7 @@ Simplifications and deviations, on purpose:
   been one version newer (it started during a suspend), which costs a little work and is rare.
 - A task whose num_samples does not fit the free slots is held (not returned to the queue) until
   enough slots free; num_samples > max_concurrency is an error.
-- Group ids from abort_groups are remembered for the whole run, so a queued surplus task of an
+- Group ids from ABORT_GROUPS are remembered for the whole run, so a queued surplus task of an
   aborted group is dropped when pulled (counted as tasks_skipped) instead of being generated.
 - A prompt that leaves no room for one token under max_total_tokens is an env failure (retried,
   pointlessly, up to max_retries: it is a data error and the failed samples make it visible).
@@ -61,7 +74,8 @@ import hashlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-from buffer import RolloutTask, Sample
+from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
+from config import flag
 from envs import ENVS
 from proxy import Sampling, Status
 
@@ -72,25 +86,30 @@ class RolloutConfig:
     max_tokens: int = 8                # response budget per model turn, tokens
     temperature: float = 1.0           # sampling temperature; keep 1.0 so logprobs are the policy's
     async_ratio: int = 1               # freshness bound: work whose oldest version < version - async_ratio is aborted
+    suspend_mode: str = "keep"         # weight update under running requests: "keep" or "abort" (proxy.suspend)
     env_step_timeout_s: float = 30.0   # an env step (or reset) slower than this fails the trajectory, seconds
     max_retries: int = 2               # a failed trajectory is replaced (rerun with a fresh env) up to this many times
     reward_workers: int = 0            # >0: single-turn rewards computed in a ProcessPoolExecutor of this size; 0: inline
     max_turns: int = 8                 # multi-turn cap, model turns per trajectory
     max_total_tokens: int = 120        # prompt + whole trajectory cap, tokens (tiny model: max_model_len 128)
     poll_s: float = 0.01               # control loop period: command and task queue polling, seconds
-    sync_timeout_s: float = 600.0      # a weight_sync call longer than this is an error, seconds
+    sync_timeout_s: float = 600.0      # a whole weight sync (suspend to SYNCED ack) longer than this is an error, seconds
     stop_timeout_s: float = 60.0       # on stop/crash, wait this long for cancelled trajectories to unwind, seconds
 
     def __post_init__(self):
+        def bad(name, rule):
+            return ValueError(f"{flag(name)} (RolloutConfig.{name}) must be {rule}, got {getattr(self, name)!r}")
         for name in ("max_concurrency", "max_tokens", "max_turns", "max_total_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise bad(name, ">= 1")
         for name in ("async_ratio", "max_retries", "reward_workers"):
             if getattr(self, name) < 0:
-                raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise bad(name, ">= 0")
         for name in ("temperature", "env_step_timeout_s", "poll_s", "sync_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise bad(name, "> 0")
+        if self.suspend_mode not in ("keep", "abort"):
+            raise bad("suspend_mode", "'keep' or 'abort'")
 
 
 def env_seed(group_id: str) -> int:
@@ -106,14 +125,19 @@ class EnvFailure(Exception):
         self.timeout = timeout
 
 
-class _Aborted(Exception):
-    """The engine request was aborted by someone else (our own aborts cancel the task first):
-    the trajectory ends quietly, no sample."""
+class Aborted(Exception):
+    """The engine request was aborted by someone else (the manager's own aborts cancel the task
+    first): the trajectory ends quietly, no sample."""
+
+
+# ---------------------------------------------------------------------------------------------
+# one trajectory: the environment-level loop
 
 
 @dataclass
-class _Traj:
-    """A trajectory as it grows; becomes a Sample when it ends."""
+class Trajectory:
+    """A trajectory as it grows (becomes a Sample when it ends); its owner reads request_id (to
+    abort it) and oldest_version (to judge staleness) while it runs."""
     start_version: int
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
@@ -141,20 +165,97 @@ class _Traj:
             self.versions += versions
 
 
+async def run_trajectory(proxy, new_env, tokenizer, cfg: RolloutConfig, task: RolloutTask, index: int = 0, *,
+                         on_attempt=None, on_failure=None) -> Sample | None:
+    """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
+    and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
+    (meta["retrying"] says whether another attempt follows). Returns the Sample, or None when the
+    last attempt failed too. `on_attempt(index, traj)` sees each attempt's live Trajectory."""
+    for attempt in range(cfg.max_retries + 1):
+        traj = Trajectory(start_version=proxy.version)
+        if on_attempt is not None:
+            on_attempt(index, traj)
+        try:
+            return await rollout_once(proxy, new_env(), tokenizer, cfg, task, traj, tag=f"{index}-a{attempt}",
+                                      meta={"attempt": attempt, "sample_index": index})
+        except EnvFailure as e:
+            if on_failure is not None:
+                await on_failure(Sample(
+                    task.task_id, task.group_id, traj.prompt_ids, [], [], [], [], 0.0, finish_reason="failed",
+                    rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version, failed=True,
+                    meta={"error": str(e), "timeout": e.timeout, "attempt": attempt,
+                          "retrying": attempt < cfg.max_retries, "sample_index": index}))
+    return None
+
+
+async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
+                       tag: str = "0", meta: dict | None = None) -> Sample:
+    """reset -> (generate -> step)* -> Sample, filling `traj` as it goes. Raises EnvFailure when an
+    env call raises or times out, Aborted when someone else aborted the engine request."""
+    where = f"rollout rank {proxy.rank}: env {task.env or 'single-turn'!r}"
+
+    async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
+        try:
+            return await asyncio.wait_for(coro, cfg.env_step_timeout_s)
+        except asyncio.TimeoutError:
+            raise EnvFailure(f"{where} {phase} (task {task.task_id}) took longer than "
+                             f"{cfg.env_step_timeout_s:g}s", timeout=True) from None
+        except Exception as e:    # CancelledError is not an Exception: aborts pass through
+            raise EnvFailure(f"{where} {phase} (task {task.task_id}) raised {e!r}") from e
+
+    obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
+    traj.prompt_ids = tokenizer.encode(obs)
+    cap = cfg.max_total_tokens
+    if len(traj.prompt_ids) >= cap:
+        raise EnvFailure(f"rollout rank {proxy.rank}: task {task.task_id}: prompt of {len(traj.prompt_ids)} "
+                         f"tokens leaves no room under max_total_tokens={cap}")
+    for turn in range(cfg.max_turns):
+        room = cap - len(traj.prompt_ids) - len(traj.response_ids)
+        if task.problem.target_len > 0:      # benchmark: exactly target_len tokens per turn
+            sampling = Sampling(min(task.problem.target_len, room), cfg.temperature, ignore_eos=True)
+        else:
+            sampling = Sampling(min(cfg.max_tokens, room), cfg.temperature)
+        traj.request_id = f"r{proxy.rank}-{task.task_id}-{tag}-t{turn}"
+        c = await proxy.generate(traj.prompt_ids + traj.response_ids, sampling, request_id=traj.request_id)
+        traj.request_id = None
+        if c.finish_reason == "abort":
+            raise Aborted(f"rollout rank {proxy.rank}: task {task.task_id} turn {turn} aborted")
+        traj.add(c.token_ids, c.logprobs, c.versions)
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)   # EOS: trained on, not shown to env
+        obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
+        traj.reward += r
+        traj.num_turns += 1
+        if done:
+            traj.finish_reason = c.finish_reason
+            break
+        obs_ids = tokenizer.encode(obs, add_special_tokens=False)
+        if turn == cfg.max_turns - 1 or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap:
+            break                  # no turn left, or no room for the observation and one more action token
+        traj.add(obs_ids)
+    return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask,
+                  traj.versions, min(1.0, max(0.0, traj.reward)), finish_reason=traj.finish_reason,
+                  rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version, meta=meta or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# the manager: slots, commands, the rollout side of the weight sync
+
+
 class EnvManager:
-    def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, weight_sync=None,
-                 env_wrappers=None, env_kwargs: dict | None = None):
+    def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, receive_weights=None,
+                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None):
         self.proxy = proxy
         self.buffer = buffer
         self.tok = tokenizer
         self.rank = rank
         self.cfg = cfg
-        self.weight_sync = weight_sync          # async (cmd) -> None: suspend, load, resume (train.py)
+        self.receive_weights = receive_weights  # async (Command) -> [(name, tensor)]: the transport; None: no tensors
+        self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
         self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
         self.pool = ProcessPoolExecutor(cfg.reward_workers) if cfg.reward_workers > 0 else None
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
-        self.trajs: dict[str, dict[int, _Traj]] = {}                 # task_id -> sample index -> live trajectory
+        self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
         self.aborted_groups: set[str] = set()
         self.held: RolloutTask | None = None    # pulled, waiting for enough free slots
         self.slots_used = 0
@@ -169,6 +270,7 @@ class EnvManager:
     # --- control loop
 
     async def run(self) -> dict:
+        await self.buffer.put_ack(Ack(self.rank, Phase.READY))
         try:
             await self._loop()
         except BaseException:
@@ -178,7 +280,7 @@ class EnvManager:
                 pass
             raise
         await self._close()
-        await self.buffer.put_ack({"rank": self.rank, "phase": "stopped"})
+        await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats()))
         return self.stats()
 
     async def _loop(self):
@@ -202,29 +304,36 @@ class EnvManager:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _handle(self, cmd: dict) -> bool:
+    async def _handle(self, cmd: Command) -> bool:
         """Run one command; True means stop."""
-        kind = cmd.get("cmd")
-        if kind == "stop":
+        if cmd.kind == Cmd.STOP:
             return True
-        if kind == "sync":
-            v = cmd["version"]
-            if self.weight_sync is not None:
-                try:
-                    await asyncio.wait_for(self.weight_sync(cmd), self.cfg.sync_timeout_s)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {v} took longer "
-                                       f"than {self.cfg.sync_timeout_s:.0f}s") from None
-            stale = [tid for tid in self.jobs if self._oldest_version(tid) < v - self.cfg.async_ratio]
-            await self._abort(stale, "aborted_stale")
-            await self.buffer.put_ack({"rank": self.rank, "phase": "synced", "version": v})
-        elif kind == "abort_groups":
-            groups = set(cmd["group_ids"])
+        if cmd.kind == Cmd.SYNC:
+            try:
+                await asyncio.wait_for(self._sync(cmd), self.cfg.sync_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} took longer "
+                                   f"than {self.cfg.sync_timeout_s:.0f}s") from None
+        elif cmd.kind == Cmd.ABORT_GROUPS:
+            groups = set(cmd.group_ids)
             self.aborted_groups |= groups
             await self._abort([tid for tid, (t, _) in self.jobs.items() if t.group_id in groups], "aborted_by_request")
         else:
             raise ValueError(f"rollout rank {self.rank}: unknown command {cmd!r}")
         return False
+
+    async def _sync(self, cmd: Command):
+        """The rollout side of a weight update (module docstring); the acks are what the controller waits for."""
+        v = cmd.version
+        await self.proxy.suspend(self.cfg.suspend_mode)
+        await self.buffer.put_ack(Ack(self.rank, Phase.SUSPENDED, v))
+        named = await self.receive_weights(cmd) if self.receive_weights is not None else []
+        await self.proxy.update_weights(named, v)
+        await self.proxy.resume()
+        stale = [tid for tid in self.jobs if not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]
+        await self._abort(stale, "aborted_stale")
+        probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
+        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe))
 
     def _pull_tasks(self):
         """Start tasks while there are free slots; never waits (the queue is polled)."""
@@ -258,7 +367,7 @@ class EnvManager:
         self.jobs.pop(t.task_id, None)
         self.trajs.pop(t.task_id, None)
         if not job.cancelled() and isinstance(job.exception(), Exception) \
-                and not isinstance(job.exception(), _Aborted) and self.error is None:
+                and not isinstance(job.exception(), Aborted) and self.error is None:
             self.error = job.exception()
         self.wake.set()
 
@@ -287,7 +396,10 @@ class EnvManager:
     # --- one task: one trajectory, or n of them with a group barrier (batch baseline)
 
     async def _run_task(self, t: RolloutTask):
-        subs = [asyncio.ensure_future(self._run_sample(t, i)) for i in range(t.num_samples)]
+        live = self.trajs[t.task_id]            # index -> the attempt running now, for aborts and staleness
+        subs = [asyncio.ensure_future(run_trajectory(self.proxy, lambda: self._make_env(t), self.tok, self.cfg, t, i,
+                                                     on_attempt=live.__setitem__, on_failure=self._report_failure))
+                for i in range(t.num_samples)]
         try:
             samples = await asyncio.gather(*subs)
         finally:
@@ -298,23 +410,11 @@ class EnvManager:
                 await self.buffer.put_sample(s)
                 self.counters["samples_sent"] += 1
 
-    async def _run_sample(self, t: RolloutTask, idx: int) -> Sample | None:
-        """One sample: a trajectory, rerun with a fresh env after each env failure up to max_retries."""
-        for attempt in range(self.cfg.max_retries + 1):
-            tr = _Traj(start_version=self.proxy.version)
-            self.trajs[t.task_id][idx] = tr
-            try:
-                return await self._rollout(t, idx, attempt, tr)
-            except EnvFailure as e:
-                retrying = attempt < self.cfg.max_retries
-                self.counters["samples_failed"] += 1
-                self.counters["env_timeouts"] += e.timeout
-                self.counters["retries"] += retrying
-                await self.buffer.put_sample(Sample(
-                    t.task_id, t.group_id, tr.prompt_ids, [], [], [], [], 0.0, finish_reason="failed",
-                    rank=self.rank, num_turns=tr.num_turns, admit_version=t.admit_version, failed=True,
-                    meta={"error": str(e), "attempt": attempt, "retrying": retrying, "sample_index": idx}))
-        return None
+    async def _report_failure(self, s: Sample):
+        self.counters["samples_failed"] += 1
+        self.counters["env_timeouts"] += s.meta["timeout"]
+        self.counters["retries"] += s.meta["retrying"]
+        await self.buffer.put_sample(s)
 
     def _make_env(self, t: RolloutTask):
         if t.env not in ENVS:
@@ -322,51 +422,3 @@ class EnvManager:
                              f"known: {sorted(ENVS)}")
         env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_executor=self.pool, **self.env_kwargs)
         return self.env_wrappers(env) if self.env_wrappers else env
-
-    async def _env_call(self, coro, phase: str, t: RolloutTask):
-        """Await an env call under env_step_timeout_s; any failure becomes EnvFailure."""
-        where = f"rollout rank {self.rank}: env {t.env or 'single-turn'!r} {phase} (task {t.task_id})"
-        try:
-            return await asyncio.wait_for(coro, self.cfg.env_step_timeout_s)
-        except asyncio.TimeoutError:
-            raise EnvFailure(f"{where} took longer than {self.cfg.env_step_timeout_s:g}s", timeout=True) from None
-        except Exception as e:    # CancelledError is not an Exception: aborts pass through
-            raise EnvFailure(f"{where} raised {e!r}") from e
-
-    def _turn_sampling(self, t: RolloutTask, room: int) -> Sampling:
-        if t.problem.target_len > 0:   # benchmark: exactly target_len tokens per turn
-            return Sampling(min(t.problem.target_len, room), self.cfg.temperature, ignore_eos=True)
-        return Sampling(min(self.cfg.max_tokens, room), self.cfg.temperature)
-
-    async def _rollout(self, t: RolloutTask, idx: int, attempt: int, tr: _Traj) -> Sample:
-        env = self._make_env(t)
-        obs = await self._env_call(env.reset(env_seed(t.group_id)), "reset", t)
-        tr.prompt_ids = self.tok.encode(obs)
-        cap = self.cfg.max_total_tokens
-        if len(tr.prompt_ids) >= cap:
-            raise EnvFailure(f"rollout rank {self.rank}: task {t.task_id}: prompt of {len(tr.prompt_ids)} "
-                             f"tokens leaves no room under max_total_tokens={cap}")
-        for turn in range(self.cfg.max_turns):
-            room = cap - len(tr.prompt_ids) - len(tr.response_ids)
-            tr.request_id = f"r{self.rank}-{t.task_id}-{idx}-a{attempt}-t{turn}"
-            c = await self.proxy.generate(tr.prompt_ids + tr.response_ids, self._turn_sampling(t, room),
-                                          request_id=tr.request_id)
-            tr.request_id = None
-            if c.finish_reason == "abort":   # someone aborted the request; our own aborts cancel first
-                raise _Aborted(f"rollout rank {self.rank}: task {t.task_id} turn {turn} aborted")
-            tr.add(c.token_ids, c.logprobs, c.versions)
-            text = self.tok.decode(c.token_ids, skip_special_tokens=True)   # EOS: trained on, not shown to env
-            obs, r, done, _ = await self._env_call(env.step(text), f"step {turn}", t)
-            tr.reward += r
-            tr.num_turns += 1
-            if done:
-                tr.finish_reason = c.finish_reason
-                break
-            obs_ids = self.tok.encode(obs, add_special_tokens=False)
-            if turn == self.cfg.max_turns - 1 or len(tr.prompt_ids) + len(tr.response_ids) + len(obs_ids) + 1 > cap:
-                break                  # no turn left, or no room for the observation and one more action token
-            tr.add(obs_ids)
-        return Sample(t.task_id, t.group_id, tr.prompt_ids, tr.response_ids, tr.logprobs, tr.loss_mask,
-                      tr.versions, min(1.0, max(0.0, tr.reward)), finish_reason=tr.finish_reason, rank=self.rank,
-                      num_turns=tr.num_turns, admit_version=t.admit_version,
-                      meta={"attempt": attempt, "sample_index": idx})

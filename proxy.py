@@ -46,7 +46,7 @@ from typing import AsyncIterator, Iterable
 import torch
 
 
-def _now() -> float:
+def now() -> float:
     """Event-loop time: real time normally, virtual time under a fast-forwarded loop (sim, tests)."""
     try:
         return asyncio.get_running_loop().time()
@@ -262,18 +262,18 @@ class LLMProxy:
 
     # --- utilisation bookkeeping: busy = has requests and not paused
     def _account(self):
-        now = _now()
+        t = now()
         if self._t_start is None:
-            self._t_start = now
+            self._t_start = t
         if self._busy_since is not None:
-            self._busy_s += now - self._busy_since
+            self._busy_s += t - self._busy_since
             self._busy_since = None
         if self.num_in_flight > 0 and self.status == Status.RUNNING:
-            self._busy_since = now
+            self._busy_since = t
 
     def stats(self) -> dict:
         self._account()
-        elapsed = _now() - self._t_start
+        elapsed = now() - self._t_start
         lat = sorted(self.latencies_s)
         return {"rank": self.rank, "version": self.version, "in_flight": self.num_in_flight,
                 "completed": self.num_completed, "tokens": self.num_tokens, "resubmits": self.num_resubmits,
@@ -300,7 +300,7 @@ class LLMProxy:
             raise self._failure
         rid = request_id or f"r{self.rank}-{next(self._ids)}"
         c = Completion(rid, list(prompt_token_ids), submit_version=self.version)
-        t0 = _now()
+        t0 = now()
         if self.num_in_flight == 0:
             self._last_progress = t0          # idle time is not silence
         if self._watchdog_task is None:
@@ -333,7 +333,7 @@ class LLMProxy:
             self._user_aborted.discard(rid)
             self.num_in_flight -= 1
             self.num_completed += 1
-            c.latency_s = _now() - t0
+            c.latency_s = now() - t0
             self.latencies_s.append(c.latency_s)
             self._account()
 
@@ -343,7 +343,7 @@ class LLMProxy:
         stream = self.engine.stream(eid, prompt, sampling)
         try:
             async for token_ids, logprobs, reason in stream:
-                self._last_progress = _now()
+                self._last_progress = now()
                 c.token_ids += token_ids
                 c.logprobs += logprobs
                 c.versions += [self.version] * len(token_ids)
@@ -362,7 +362,7 @@ class LLMProxy:
         token for timeout_s is dead or stuck: every waiting generate() then fails with EngineError."""
         while self.status != Status.STOPPED:
             await asyncio.sleep(self.timeout_s / 8)
-            silent = _now() - self._last_progress
+            silent = now() - self._last_progress
             if self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s:
                 self._failure = EngineError(f"rollout rank {self.rank}: engine produced nothing for "
                                             f"{silent:.0f}s during generate ({self.num_in_flight} requests waiting)")
@@ -405,7 +405,7 @@ class LLMProxy:
         if self.status != Status.SUSPENDED:
             return
         await self._call("resume", self.engine.resume())
-        self._last_progress = _now()                   # suspended time is not silence
+        self._last_progress = now()                   # suspended time is not silence
         self.status = Status.RUNNING
         self._resumed.set()
         self._account()

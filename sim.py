@@ -10,15 +10,15 @@
     python sim.py all            # everything; each writes results/NAME.md and results/NAME.png
     common flags: --steps N (per run; default 4) --warmup N (async runs; default 2) --seed N --chunk TOKENS
 
-What runs for real: controller.Controller (admission under the async ratio, group assembly,
-dynamic filtering, stale eviction, the three-phase weight sync), buffer.Buffer over LocalQueues,
+What runs for real: controller.AsyncController (admission under the async ratio, group assembly,
+dynamic filtering, stale eviction, the three-phase weight sync), buffer.SampleBuffer over LocalQueues,
 one env_manager.EnvManager per rollout GPU over proxy.LLMProxy(fake_engine.FakeTimedEngine), and
 envs.LatencyEnv / envs.FaultyEnv. All of it on one looptime event loop whose clock jumps to the
 next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds. The glue here:
 - trainer: the loop of train.py (collect -> train -> sync_weights) with training as a sleep of
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
-- weight sync, per rollout GPU: suspend the proxy, ack, sleep broadcast_s, proxy.update_weights
-  (the fake engine sleeps load_s and counts the load), resume;
+- weight sync: the real protocol (controller.sync_weights, EnvManager._sync); its transport,
+  receive_weights, sleeps broadcast_s, then the fake engine's load sleeps load_s and counts the load;
 - rewards: the fake engine emits random tokens, so no verifier can score them. SimEnv (wrapping
   the env the EnvManager builds) draws each group's pass rate p ~ Beta from the group's env seed
   and each sample's reward ~ Bernoulli(p), after a verifier latency (reward_s, overlapped with
@@ -67,8 +67,9 @@ from pathlib import Path
 import looptime
 import torch
 
-from buffer import Buffer, LocalQueues
-from controller import Controller, ControllerConfig
+from buffer import LocalQueues, SampleBuffer
+from config import sub_config
+from controller import AsyncController, ControllerConfig
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultyEnv, LatencyEnv
 from fake_engine import FakeTimedEngine, lognormal_lengths
@@ -241,32 +242,24 @@ async def _simulate(cfg: SimConfig) -> dict:
     loop = asyncio.get_running_loop()
     R = cfg.rollout_gpus
     T = R if cfg.colocated else cfg.train_gpus
-    buffer = Buffer(LocalQueues(R), "sim", cfg.timeout_s)
-    ccfg = ControllerConfig(batch_groups=cfg.batch_groups, group_size=cfg.group_size, async_ratio=cfg.async_ratio,
-                            redundant=cfg.redundant, replicate=cfg.replicate, rollout_mode=cfg.rollout_mode,
-                            filter_equal=cfg.filter_equal, env=cfg.env, env_redundancy=cfg.env_redundancy,
-                            timeout_s=cfg.timeout_s)
-    ctrl = Controller(ccfg, buffer, iter(lambda: Problem("q", ""), None), R)
+    buffer = SampleBuffer(LocalQueues(R), "sim", cfg.timeout_s)
+    ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, iter(lambda: Problem("q", ""), None), R)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
-    rcfg = RolloutConfig(max_concurrency=cfg.max_concurrency, max_tokens=turn_cap, async_ratio=cfg.async_ratio,
-                         env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,
-                         max_total_tokens=2 + cfg.turns * (turn_cap + 1), poll_s=cfg.poll_s,
-                         sync_timeout_s=cfg.timeout_s, stop_timeout_s=cfg.timeout_s)
+    rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,
+                      max_total_tokens=2 + cfg.turns * (turn_cap + 1), sync_timeout_s=cfg.timeout_s,
+                      stop_timeout_s=cfg.timeout_s)
     weights = [("w", torch.zeros(1))]
+
+    async def receive_weights(cmd):             # the transport: the modelled broadcast time
+        await asyncio.sleep(cfg.broadcast_s)
+        return weights
+
     batch_barrier = asyncio.Barrier(cfg.batch_groups * cfg.group_size) if cfg.lockstep == "batch" else None
     proxies, managers = [], []
     for r in range(R):
         engine = FakeTimedEngine(t0=cfg.chunk * cfg.t0, k=cfg.chunk * cfg.k, max_num_seqs=cfg.max_num_seqs,
                                  length_sampler=length_sampler(cfg), load_s=cfg.load_s, seed=cfg.seed * 10007 + r)
         proxy = LLMProxy(engine, rank=r, timeout_s=cfg.timeout_s)
-
-        async def weight_sync(cmd, proxy=proxy, r=r):   # suspend -> ack -> broadcast -> load -> resume
-            await proxy.suspend("keep")
-            await buffer.put_ack({"rank": r, "phase": "suspended", "version": cmd["version"]})
-            await asyncio.sleep(cfg.broadcast_s)
-            await proxy.update_weights(weights, cmd["version"])
-            await proxy.resume()
-
         rng = random.Random(cfg.seed * 7919 + r)
         barrier = asyncio.Barrier(cfg.max_concurrency) if cfg.lockstep == "engine" else batch_barrier
 
@@ -279,7 +272,7 @@ async def _simulate(cfg: SimConfig) -> dict:
             return LockstepEnv(env, barrier) if barrier else env
 
         proxies.append(proxy)
-        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, weight_sync=weight_sync, env_wrappers=wrap))
+        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, receive_weights=receive_weights, env_wrappers=wrap))
 
     rows = []
 

@@ -27,16 +27,18 @@ import os
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+from config import opt, parse_cli, sub_config
+from controller import ControllerConfig
+from env_manager import RolloutConfig
+from trainer import TrainConfig
 
 
 @dataclass
@@ -72,34 +74,28 @@ class Config:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        from losses import VARIANTS
-        if self.loss not in VARIANTS:
-            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(VARIANTS)}")
-        if self.rollout_mode not in ("queue", "batch"):
-            raise ValueError(f"--rollout-mode must be queue or batch, got {self.rollout_mode!r}")
-        if self.suspend_mode not in ("keep", "abort"):
-            raise ValueError(f"--suspend-mode must be keep or abort, got {self.suspend_mode!r}")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        # every other field belongs to a component, whose config validates it
+        self.controller_config(), self.rollout_config(), self.train_config()
 
+    def controller_config(self) -> ControllerConfig:
+        return sub_config(ControllerConfig, self)
 
-def parse_config(argv=None) -> Config:
-    import argparse
+    def rollout_config(self) -> RolloutConfig:
+        return sub_config(RolloutConfig, self, sync_timeout_s=self.timeout_s)
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            ap.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"] + " (default: %(default)s)")
-    try:
-        return Config(**vars(ap.parse_args(argv)))
-    except ValueError as e:
-        ap.error(str(e))
+    def train_config(self) -> TrainConfig:
+        return sub_config(TrainConfig, self)
 
 
 # ---------------------------------------------------------------------------------------------
 # distributed init / cleanup
+
+
+class Groups(NamedTuple):
+    trainer: object      # trainer ranks: FSDP2 (NCCL on GPU, gloo on CPU)
+    sync: object         # trainer rank 0 + every rollout rank: the weight broadcast
 
 
 def init_distributed(cfg: Config):
@@ -117,10 +113,9 @@ def init_distributed(cfg: Config):
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(cfg.timeout_s, 1800)))  # long: first rank builds the model
     backend = "nccl" if cuda else "gloo"
-    trainer_ranks = list(range(cfg.train_gpus))
-    trainer_group = dist.new_group(trainer_ranks, timeout=timeout, backend=backend)
+    trainer_group = dist.new_group(list(range(cfg.train_gpus)), timeout=timeout, backend=backend)
     sync_group = dist.new_group([0] + list(range(cfg.train_gpus, world)), timeout=timeout, backend=backend)
-    return rank, world, ("cuda" if cuda else "cpu"), trainer_group, sync_group
+    return rank, world, ("cuda" if cuda else "cpu"), Groups(trainer_group, sync_group)
 
 
 def collective(phase: str, fn, *args, **kwargs):
@@ -149,122 +144,137 @@ def print0(*args):
 PROBE_TEXT = "123+456=579"   # the weight-sync probe: any token sequence the model's vocab covers
 
 
-def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, buffer_addr):
+class TrainerRanks:
+    """The trainer ranks in lockstep. Rank 0 decides each op ("train", "save", "stop") and
+    broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives need
+    all of them. Ranks > 0 just follow()."""
+
+    def __init__(self, trainer, cfg: Config, group, model_dir: str, probe: list[int] | None):
+        self.trainer, self.cfg, self.group, self.model_dir, self.probe = trainer, cfg, group, model_dir, probe
+
+    def train(self, batch, advantages: list[float]):
+        """One optimizer step on every rank (rank r gets batch[r::n]); returns rank 0's metrics, the
+        full weights and the trainer's probe logprobs (None without a probe)."""
+        n = self.cfg.train_gpus
+        return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)],
+                          "advantages": [advantages[r::n] for r in range(n)]})
+
+    def save(self, state: dict):
+        self._run({"op": "save", "state": state})
+
+    def stop(self):
+        self._tell({"op": "stop"})
+
+    def follow(self):
+        while True:
+            box = [None]
+            collective("waiting for trainer rank 0's next op", dist.broadcast_object_list, box, src=0,
+                       group=self.group)
+            if box[0]["op"] == "stop":
+                return
+            self._do(box[0])
+
+    def _run(self, op: dict):
+        self._tell(op)
+        return self._do(op)
+
+    def _tell(self, op: dict):
+        if self.cfg.train_gpus > 1:
+            collective(f"sending '{op['op']}' to the trainer ranks", dist.broadcast_object_list, [op], src=0,
+                       group=self.group)
+
+    def _do(self, op: dict):
+        tr = self.trainer
+        if op["op"] == "train":
+            metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank])
+            named = tr.full_state()                                    # collective under FSDP
+            return metrics, named, (tr.probe_logprobs(self.probe) if self.probe else None)
+        if op["op"] == "save":
+            tr.save_checkpoint(self.cfg.out_dir, op["state"], self.model_dir)
+
+
+class RunLog:
+    """Rank 0's record of the run: metrics.jsonl (a row per step) and the progress line."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.path = Path(cfg.out_dir) / "metrics.jsonl"
+        self.rewards: list[float] = []           # reward_mean per step, for the moving average
+
+    def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
+             time_step: float) -> dict:
+        row = {"step": step, "version": version, **info, **train, "time_train": time_train,
+               **{k: sync[k] for k in ("time_weight_sync", "time_broadcast", "rollout_utilisation")},
+               "time_step": time_step, "samples_per_s": info["num_samples"] / time_step,
+               "tokens_per_s": info["num_tokens"] / time_step}
+        if self.cfg.check_sync:
+            row["sync_probe_max_diff"] = sync["sync_probe_max_diff"]
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.rewards.append(row["reward_mean"])
+        print0(self.line(row))
+        return row
+
+    def line(self, r: dict) -> str:
+        avg10 = sum(self.rewards[-10:]) / len(self.rewards[-10:])
+        return (f"step {r['step']:4d}/{self.cfg.steps} | v{r['version']} | reward {r['reward_mean']:.3f} "
+                f"(avg10 {avg10:.3f}) | stale max {r['staleness_max']} mean {r['staleness_mean']:.2f} | "
+                f"dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | {r['time_step']:.2f}s "
+                f"(wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync {r['time_weight_sync']:.2f}) | "
+                f"{r['samples_per_s']:.1f} samples/s | util {r['rollout_utilisation']:.2f}")
+
+
+def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
     import task
-    from buffer import Buffer, ManagerQueues
-    from controller import Controller, ControllerConfig, problem_stream
+    from buffer import ManagerQueues, SampleBuffer
+    from controller import AsyncController, problem_stream
     from losses import group_advantages
-    from trainer import TrainConfig, Trainer, broadcast_weights, weight_meta
+    from trainer import Trainer, broadcast_weights, weight_meta
     from transformers import AutoTokenizer
 
-    tcfg = TrainConfig(loss=cfg.loss, lr=cfg.lr, micro_batch=cfg.micro_batch, bucket_mb=cfg.bucket_mb, seed=cfg.seed)
-    trainer = Trainer(model_dir, tcfg, trainer_group if cfg.train_gpus > 1 else None, device)
+    trainer = Trainer(model_dir, cfg.train_config(), groups.trainer if cfg.train_gpus > 1 else None, device)
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
-    step0 = state["step"] if state else 0
-    version = state["version"] if state else 0
-    probe = AutoTokenizer.from_pretrained(model_dir).encode(PROBE_TEXT)
-
-    def follow():   # trainer ranks > 0: do what rank 0 says, in lockstep (collectives inside)
-        while True:
-            obj = [None]
-            collective("waiting for trainer rank 0's next command", dist.broadcast_object_list, obj, src=0,
-                       group=trainer_group)
-            cmd = obj[0]
-            if cmd["op"] == "stop":
-                return
-            if cmd["op"] == "train":
-                trainer.train_step(cmd["samples"][rank], cmd["advantages"][rank])
-                trainer.full_state()
-                if cfg.check_sync:
-                    trainer.probe_logprobs(probe)
-            if cmd["op"] == "save":
-                trainer.save_checkpoint(cfg.out_dir, cmd["state"], model_dir)
-
-    def tell(cmd):
-        if cfg.train_gpus > 1:
-            collective(f"sending '{cmd['op']}' to the trainer ranks", dist.broadcast_object_list, [cmd], src=0,
-                       group=trainer_group)
-
+    probe = AutoTokenizer.from_pretrained(model_dir).encode(PROBE_TEXT) if cfg.check_sync else None
+    ranks = TrainerRanks(trainer, cfg, groups.trainer, model_dir, probe)
     if rank != 0:
-        return follow()
+        return ranks.follow()
 
     host, port, key = buffer_addr
-    buffer = Buffer(ManagerQueues.serve(host, port, key, cfg.rollout_gpus), "trainer rank 0", cfg.timeout_s)
+    buffer = SampleBuffer(ManagerQueues.serve(host, port, key, cfg.rollout_gpus), "trainer rank 0", cfg.timeout_s)
     problems = task.load_dataset(cfg.data) if cfg.data else None
     data_pos = state["data_position"] if state else 0
     stream = problem_stream(problems, cfg.seed, data_pos, make=task.make_problem)
-    ccfg = ControllerConfig(batch_groups=cfg.batch_groups, group_size=cfg.group_size, async_ratio=cfg.async_ratio,
-                            redundant=cfg.redundant, replicate=cfg.replicate, rollout_mode=cfg.rollout_mode,
-                            env=cfg.env, timeout_s=cfg.timeout_s)
-    ctrl = Controller(ccfg, buffer, stream, cfg.rollout_gpus, version=version)
-    metrics_path = Path(cfg.out_dir) / "metrics.jsonl"
-    last_engine: dict[int, dict] = {}
-
-    def save(step):
-        # position = problems drawn so far (admitted groups); groups admitted but untrained are re-drawn on resume
-        st = {"step": step, "version": ctrl.version, "data_position": data_pos + ctrl.groups_admitted,
-              "config": dataclasses.asdict(cfg)}
-        tell({"op": "save", "state": st})
-        trainer.save_checkpoint(cfg.out_dir, st, model_dir)
-
-    recent: list[float] = []        # reward_mean per step, for the progress line's moving average
+    ctrl = AsyncController(cfg.controller_config(), buffer, stream, cfg.rollout_gpus,
+                           version=state["version"] if state else 0)
+    log = RunLog(cfg)
+    bucket_bytes = cfg.bucket_mb << 20
 
     async def main():
         t = time.monotonic()
         await ctrl.wait_ready()   # engines started and warmed up, so step 1 measures a step, not start-up
         print0(f"rollout ready: {cfg.rollout_gpus} engines in {time.monotonic() - t:.1f}s")
-        for step in range(step0, cfg.steps):
+        for step in range(state["step"] if state else 0, cfg.steps):
             t0 = time.monotonic()
-            batch, info = await ctrl.collect()                                  # schedule + run
-            rewards = torch.tensor([s.reward for s in batch])
-            adv = group_advantages(rewards, cfg.group_size).tolist()           # batch is whole groups
-            shards = [batch[r::cfg.train_gpus] for r in range(cfg.train_gpus)]
-            adv_shards = [adv[r::cfg.train_gpus] for r in range(cfg.train_gpus)]
+            batch, info = await ctrl.collect()                                 # schedule + run: B fresh groups
+            adv = group_advantages(torch.tensor([s.reward for s in batch]), cfg.group_size).tolist()
             t1 = time.monotonic()
-            tell({"op": "train", "samples": shards, "advantages": adv_shards})
-            m = trainer.train_step(shards[0], adv_shards[0])
-            named = trainer.full_state()
-            ref = trainer.probe_logprobs(probe) if cfg.check_sync else None
+            metrics, named, probe_ref = ranks.train(batch, adv)                # every trainer rank, then full weights
             t2 = time.monotonic()
-            sync = await ctrl.sync_weights(                                     # postprocess
-                ctrl.version + 1, lambda: broadcast_weights(named, sync_group, cfg.bucket_mb << 20, device, "trainer rank 0"),
-                meta=weight_meta(named))
-            row = {"step": step + 1, "version": ctrl.version, **info, **m,
-                   "time_train": t2 - t1, "time_weight_sync": sync["time_weight_sync"],
-                   "time_broadcast": sync["time_broadcast"]}
-            if ref is not None:
-                diffs = [max(abs(a - b) for a, b in zip(ack["probe"], ref)) for ack in sync["acks"] if "probe" in ack]
-                row["sync_probe_max_diff"] = max(diffs) if diffs else None
-            busy = elapsed = 0.0
-            for ack in sync["acks"]:
-                e, prev = ack["engine"], last_engine.get(ack["rank"], {"busy_s": 0.0, "idle_s": 0.0})
-                busy += e["busy_s"] - prev["busy_s"]
-                elapsed += (e["busy_s"] + e["idle_s"]) - (prev["busy_s"] + prev["idle_s"])
-                last_engine[ack["rank"]] = e
-            row["rollout_utilisation"] = busy / elapsed if elapsed > 0 else 0.0
-            row["time_step"] = time.monotonic() - t0
-            row["samples_per_s"] = info["num_samples"] / row["time_step"]
-            row["tokens_per_s"] = info["num_tokens"] / row["time_step"]
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            recent.append(info["reward_mean"])
-            print0(f"step {step + 1:4d}/{cfg.steps} | v{ctrl.version} | reward {info['reward_mean']:.3f} "
-                   f"(avg10 {sum(recent[-10:]) / len(recent[-10:]):.3f}) | "
-                   f"stale max {info['staleness_max']} mean {info['staleness_mean']:.2f} | "
-                   f"dropped {info['samples_dropped_stale']} filtered {info['groups_filtered']} | "
-                   f"{row['time_step']:.2f}s (wait {info['time_wait_rollout']:.2f} train {row['time_train']:.2f} "
-                   f"sync {row['time_weight_sync']:.2f}) | {row['samples_per_s']:.1f} samples/s | "
-                   f"util {row['rollout_utilisation']:.2f}")
+            send = lambda: broadcast_weights(named, groups.sync, bucket_bytes, device, "trainer rank 0")
+            sync = await ctrl.sync_weights(ctrl.version + 1, send, weight_meta(named), probe_ref)   # postprocess
+            log.step(step + 1, ctrl.version, info, metrics, sync, t2 - t1, time.monotonic() - t0)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-                save(step + 1)
+                # data position = problems drawn so far: groups admitted but not yet trained are skipped on resume
+                ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
+                            "data_position": data_pos + ctrl.groups_admitted})
         await ctrl.stop()
 
     try:
         asyncio.run(main())
     finally:
-        tell({"op": "stop"})
+        ranks.stop()
         buffer.close()
 
 
@@ -272,9 +282,9 @@ def run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, 
 # rollout ranks
 
 
-def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
-    from buffer import Buffer, ManagerQueues
-    from env_manager import EnvManager, RolloutConfig
+def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
+    from buffer import ManagerQueues, SampleBuffer
+    from env_manager import EnvManager
     from proxy import LLMProxy, Sampling
     from trainer import receive_weights
     from transformers import AutoTokenizer
@@ -284,8 +294,10 @@ def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     probe = tokenizer.encode(PROBE_TEXT)
     host, port, key = buffer_addr
-    buffer = Buffer(ManagerQueues.connect(host, port, key, cfg.rollout_gpus, cfg.timeout_s), who, cfg.timeout_s)
-    rcfg = RolloutConfig(max_concurrency=cfg.max_concurrency, max_tokens=cfg.max_tokens, async_ratio=cfg.async_ratio)
+    buffer = SampleBuffer(ManagerQueues.connect(host, port, key, cfg.rollout_gpus, cfg.timeout_s), who, cfg.timeout_s)
+
+    async def receive(cmd):   # the weight transport: trainer rank 0's broadcast over the sync group
+        return await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
 
     async def main():
         # CPU: one core per engine, round robin over this node's cores (see proxy.VLLMEngine.start)
@@ -293,23 +305,10 @@ def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
         proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index,
                                           cpu_cores=cores)
         proxy.version = state["version"] if state else 0
-        await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
-        await buffer.put_ack({"rank": index, "phase": "ready", "version": None})
-
-        async def weight_sync(cmd):                    # suspend -> receive broadcast -> load -> resume
-            v = cmd["version"]
-            await proxy.suspend(cfg.suspend_mode)
-            await buffer.put_ack({"rank": index, "phase": "suspended", "version": v})
-            named = await asyncio.to_thread(receive_weights, cmd["meta"], sync_group, cfg.bucket_mb << 20, device, who)
-            await proxy.update_weights(named, v)
-            await proxy.resume()
-            ack = {"rank": index, "phase": "loaded", "version": v, "engine": proxy.stats()}
-            if cfg.check_sync:
-                ack["probe"] = await proxy.score(probe)
-            await buffer.put_ack(ack)
-
         try:
-            await EnvManager(proxy, buffer, tokenizer, index, rcfg, weight_sync=weight_sync).run()
+            await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
+            await EnvManager(proxy, buffer, tokenizer, index, cfg.rollout_config(), receive_weights=receive,
+                             probe_ids=probe).run()
         finally:
             proxy.shutdown()
 
@@ -320,8 +319,8 @@ def run_rollout(cfg, rank, device, sync_group, model_dir, state, buffer_addr):
 
 
 def main():
-    cfg = parse_config()
-    rank, world, device, trainer_group, sync_group = init_distributed(cfg)
+    cfg = parse_cli(Config, doc=__doc__)
+    rank, world, device, groups = init_distributed(cfg)
     try:
         state = None
         if cfg.resume:
@@ -350,10 +349,8 @@ def main():
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
-        if rank < cfg.train_gpus:
-            run_trainer(cfg, rank, device, trainer_group, sync_group, model_dir, state, addr[0])
-        else:
-            run_rollout(cfg, rank, device, sync_group, model_dir, state, addr[0])
+        role = run_trainer if rank < cfg.train_gpus else run_rollout
+        role(cfg, rank, device, groups, model_dir, state, addr[0])
         collective("final barrier", dist.barrier)
     finally:
         cleanup()

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from buffer import Buffer, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, fresh
+from buffer import Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, SampleBuffer, fresh
 from task import Problem
 
 
@@ -72,12 +72,12 @@ def test_group_assembly_filter_stale_and_surplus():
 
 def test_local_queues_buffer_roundtrip_and_timeout():
     async def main():
-        b = Buffer(LocalQueues(num_ranks=2), who="test rank", timeout_s=0.05)
+        b = SampleBuffer(LocalQueues(num_ranks=2), who="test rank", timeout_s=0.05)
         await b.put_task(RolloutTask("t0", "g0", Problem("1+1=", "2")))
         assert (await b.get_task()).task_id == "t0"
         assert b.get_task_nowait() is None
-        await b.send_command(1, {"cmd": "stop"})
-        assert b.get_command_nowait(0) is None and b.get_command_nowait(1) == {"cmd": "stop"}
+        await b.send_command(1, Command(Cmd.STOP))
+        assert b.get_command_nowait(0) is None and b.get_command_nowait(1) == Command(Cmd.STOP)
         with pytest.raises(TimeoutError, match="test rank.*samples"):
             await b.get_sample()
     asyncio.run(main())
@@ -94,7 +94,7 @@ def test_manager_queues_over_tcp():
         client = ManagerQueues.connect("127.0.0.1", port, b"secret", num_ranks=1, timeout_s=10)
 
         async def main():
-            b_srv, b_cli = Buffer(server, "server"), Buffer(client, "client")
+            b_srv, b_cli = SampleBuffer(server, "server"), SampleBuffer(client, "client")
             await b_srv.put_task(RolloutTask("t1", "g1", Problem("2+2=", "4")))
             t = await b_cli.get_task(timeout=5)
             await b_cli.put_sample(sample("g1", [0, 1], 1.0))

@@ -5,15 +5,15 @@ import itertools
 
 import pytest
 
-from buffer import Buffer, LocalQueues
-from controller import Controller, ControllerConfig, problem_stream
+from buffer import Ack, LocalQueues, Phase, SampleBuffer
+from controller import AsyncController, ControllerConfig, problem_stream
 from task import Problem, make_problem
 
 
-def controller(version=0, **kw) -> Controller:
+def controller(version=0, **kw) -> AsyncController:
     cfg = ControllerConfig(**{"batch_groups": 4, "group_size": 2, **kw})
     problems = (Problem(f"{i}+0=", str(i)) for i in itertools.count())
-    return Controller(cfg, Buffer(LocalQueues(2), "test"), problems, num_rollout_ranks=2, version=version)
+    return AsyncController(cfg, SampleBuffer(LocalQueues(2), "test"), problems, num_rollout_ranks=2, version=version)
 
 
 @pytest.mark.parametrize("async_ratio", [0, 1, 2])
@@ -57,3 +57,12 @@ def test_config_validation_names_the_flag():
         ControllerConfig(async_ratio=-1)
     with pytest.raises(ValueError, match="rollout-mode"):
         ControllerConfig(rollout_mode="fast")
+
+
+def test_sync_timeout_names_the_rank_that_did_not_ack():
+    async def main():
+        c = controller(timeout_s=0.2)
+        await c.buffer.put_ack(Ack(0, Phase.SUSPENDED, 1))       # rank 0 answers, rank 1 never does
+        with pytest.raises(TimeoutError, match=r"rollout rank\(s\) \[1\] did not ack suspended for version 1"):
+            await c.sync_weights(1, send_fn=lambda: None)
+    asyncio.run(main())

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from buffer import Buffer, GroupAssembler, LocalQueues, RolloutTask, Sample
+from buffer import Ack, Cmd, Command, GroupAssembler, LocalQueues, Phase, RolloutTask, Sample, SampleBuffer
 from env_manager import EnvManager, RolloutConfig, env_seed
 from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
 from fake_engine import FakeTimedEngine
-from proxy import EngineError, LLMProxy
+from proxy import EngineError, LLMProxy, Status
 from conftest import run_virtual
 from task import Problem
 
@@ -30,11 +30,12 @@ def tok():
     return build_tokenizer()
 
 
-def make_manager(buf, tok, rank=0, cfg=None, weight_sync=None, env_wrappers=None, **engine_kwargs):
+def make_manager(buf, tok, rank=0, cfg=None, receive_weights=None, env_wrappers=None, probe_ids=None,
+                 **engine_kwargs):
     engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
     proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
-    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), weight_sync=weight_sync,
-                      env_wrappers=env_wrappers)
+    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), receive_weights=receive_weights,
+                      env_wrappers=env_wrappers, probe_ids=probe_ids)
 
 
 def add_task(task_id, group_id="g", target_len=0, num_samples=1, env="", prompt="1+1=", answer="2"):
@@ -53,18 +54,21 @@ async def collect(buf, n, timeout=10_000.0):
 
 async def stop_all(buf, managers, runs):
     for m in managers:
-        await buf.send_command(m.rank, {"cmd": "stop"})
+        await buf.send_command(m.rank, Command(Cmd.STOP))
     stats = await asyncio.wait_for(asyncio.gather(*runs), 60)
-    acks = [await buf.get_ack("stop", timeout=1) for _ in managers]
-    assert sorted(a["rank"] for a in acks) == sorted(m.rank for m in managers)
-    assert all(a["phase"] == "stopped" for a in acks)
+    acks = []
+    while (a := buf.t.get_nowait("acks")) is not None:
+        acks.append(a)
+    stopped = [a for a in acks if a.phase == Phase.STOPPED]
+    assert sorted(a.rank for a in stopped) == sorted(m.rank for m in managers)
+    assert all(a.phase in (Phase.READY, Phase.SUSPENDED, Phase.SYNCED) for a in acks if a not in stopped)
     return stats
 
 
 def run_one_task(tok, task, **manager_kwargs):
     """One EnvManager, one task: its sample, in virtual time."""
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, **manager_kwargs)
         await buf.put_task(task)
         run = asyncio.create_task(m.run())
@@ -87,7 +91,7 @@ def test_queue_scheduling_short_samples_do_not_wait_for_long(tok):
     """One 1000-token request and four short ones on one rank: each short sample reaches the
     buffer at its own finish time, long before the long one."""
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000))
         await buf.put_task(add_task("long", "gl", target_len=1000))
         for n in (5, 10, 15, 20):
@@ -108,7 +112,7 @@ def test_queue_scheduling_short_samples_do_not_wait_for_long(tok):
 
 def test_replication_spreads_group_over_ranks_and_batch_task_arrives_together(tok):
     async def main():
-        buf = Buffer(LocalQueues(2), "test")
+        buf = SampleBuffer(LocalQueues(2), "test")
         lengths = lambda: (lambda rng, it=itertools.cycle(range(1, 9)): next(it))   # 1..8 tokens, in turn
         cfg = RolloutConfig(max_concurrency=4)
         ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lengths()) for r in range(2)]
@@ -134,7 +138,7 @@ def test_replication_spreads_group_over_ranks_and_batch_task_arrives_together(to
 
 def test_max_concurrency_bounds_in_flight_work(tok):
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=3), length_sampler=lambda rng: 8)
         for i in range(9):
             await buf.put_task(add_task(f"t{i}", f"g{i}"))
@@ -164,7 +168,7 @@ def test_reward_excludes_eos_and_equal_reward_group_is_filtered(tok):
         return tok.encode("4" if text == "2+2=" else next(answers)) + [tok.eos_token_id]
 
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, respond=respond)
         for i in range(4):
             await buf.put_task(add_task(f"a{i}", "all", prompt="2+2=", answer="4"))
@@ -216,7 +220,7 @@ def test_hung_env_fails_and_is_replaced_within_timeout(tok):
         return FaultyEnv(env, 0.0, 1.0, random.Random(0)) if next(built) == 0 else env
 
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         cfg = RolloutConfig(env_step_timeout_s=5.0)
         m = make_manager(buf, tok, cfg=cfg, env_wrappers=wrap, length_sampler=lambda rng: 4)
         await buf.put_task(add_task("hangs", "g1"))
@@ -236,7 +240,7 @@ def test_hung_env_fails_and_is_replaced_within_timeout(tok):
 
 def test_env_failing_every_time_gives_up_after_max_retries(tok):
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         rng = random.Random(0)
         cfg = RolloutConfig(max_retries=2)
         m = make_manager(buf, tok, cfg=cfg, length_sampler=lambda rng: 3,
@@ -257,7 +261,7 @@ def test_env_failing_every_time_gives_up_after_max_retries(tok):
 
 def test_engine_failure_stops_run_naming_rank(tok):
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, rank=0)
         m.proxy.engine.hang = True
         await buf.put_task(add_task("t", "g"))
@@ -272,50 +276,104 @@ def test_engine_failure_stops_run_naming_rank(tok):
 # commands
 
 
+async def acks_until(buf, phase, version=None, timeout=100):
+    """Every ack up to and including the first of `phase` (for `version`)."""
+    got = []
+    while not (got and got[-1].phase == phase and got[-1].version == version):
+        got.append(await buf.get_ack(f"{phase} {version}", timeout=timeout))
+    return got
+
+
 def test_sync_aborts_stale_work_and_acks(tok):
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
-        synced = []
+        buf = SampleBuffer(LocalQueues(1), "test")
+        received = []
 
-        async def weight_sync(cmd):        # what train.py supplies: suspend, load, resume
-            synced.append(cmd["version"])
-            await m.proxy.suspend("keep")
-            await m.proxy.update_weights([], cmd["version"])
-            await m.proxy.resume()
-        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000), weight_sync=weight_sync)
+        async def receive_weights(cmd):    # the transport (train.py: the torch.distributed broadcast)
+            received.append(cmd.version)
+            return []
+        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000),
+                         receive_weights=receive_weights)
         run = asyncio.create_task(m.run())
         await buf.put_task(add_task("old", "g0", target_len=1000))
         await asyncio.sleep(10 * STEP)
-        await buf.send_command(0, {"cmd": "sync", "version": 1})          # 0 >= 1 - 1: still fresh
-        assert await buf.get_ack("sync 1", timeout=100) == {"rank": 0, "phase": "synced", "version": 1}
+        await buf.send_command(0, Command(Cmd.SYNC, 1))                   # 0 >= 1 - 1: still fresh
+        synced = (await acks_until(buf, Phase.SYNCED, 1))[-1]
+        assert (synced.rank, synced.phase, synced.version) == (0, Phase.SYNCED, 1)
         assert m.stats()["in_flight"] == 1
         await buf.put_task(add_task("new", "g1", target_len=1000))       # starts at version 1
         await asyncio.sleep(10 * STEP)
-        await buf.send_command(0, {"cmd": "sync", "version": 2})          # 0 < 2 - 1: "old" is stale
-        assert (await buf.get_ack("sync 2", timeout=100))["version"] == 2
+        await buf.send_command(0, Command(Cmd.SYNC, 2))                   # 0 < 2 - 1: "old" is stale
+        assert (await acks_until(buf, Phase.SYNCED, 2))[-1].version == 2
         s = m.stats()
         assert (s["aborted_stale"], s["in_flight"]) == (1, 1)
         assert list(m.jobs) == ["new"] and len(m.proxy.engine.running) == 1   # the engine dropped it
         [(_, new)] = await collect(buf, 1)
         [stats] = await stop_all(buf, [m], [run])
         assert buf.get_sample_nowait() is None                            # "old" never sent anything
-        return synced, new, stats
-    synced, new, stats = run_virtual(main())
-    assert synced == [1, 2]
+        return received, new, stats
+    received, new, stats = run_virtual(main())
+    assert received == [1, 2]
     assert new.task_id == "new" and new.versions[0] == 1 and new.versions[-1] == 2
     assert stats["proxy"]["version"] == 2 and stats["samples_sent"] == 1
 
 
+def test_one_weight_update_ack_sequence_and_payloads(tok):
+    """One SYNC through the real EnvManager on the fake engine: the acks come as READY, SUSPENDED,
+    SYNCED, each carrying what controller.py's table says; the engine is paused while the transport
+    runs, loads exactly what the transport returned, and resumes before the SYNCED ack."""
+    import torch
+    weights = [("w", torch.ones(3))]
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        seen = {}
+
+        async def receive_weights(cmd):
+            if cmd.version == 1:
+                seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=cmd.meta,
+                            acks_sent=len(acks) + buf.t.qsize("acks"))  # READY and SUSPENDED, not SYNCED
+            await asyncio.sleep(2.0)                                   # a slow broadcast
+            return weights
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
+                         probe_ids=[3, 4, 5, 6], load_s=0.5)
+        run = asyncio.create_task(m.run())
+        await buf.put_task(add_task("busy", "g0", target_len=500))     # work in flight across the update
+        await asyncio.sleep(5 * STEP)
+        acks = [await buf.get_ack("ready", timeout=10)]
+        t0 = now()
+        await buf.send_command(0, Command(Cmd.SYNC, 1, meta=[("w", [3], "float32")], probe=True))
+        acks.append(await buf.get_ack("suspended", timeout=100))
+        acks.append(await buf.get_ack("synced", timeout=100))
+        elapsed = now() - t0
+        after = (m.proxy.status, m.proxy.version, m.proxy.engine.num_loads, m.stats()["in_flight"])
+        await buf.send_command(0, Command(Cmd.SYNC, 2))                 # no probe asked: none sent
+        no_probe = (await acks_until(buf, Phase.SYNCED, 2))[-1]
+        await stop_all(buf, [m], [run])
+        return acks, seen, elapsed, after, no_probe
+    acks, seen, elapsed, after, no_probe = run_virtual(main())
+    ready, suspended, synced = acks
+    assert ready == Ack(0, Phase.READY)
+    assert suspended == Ack(0, Phase.SUSPENDED, 1)                      # nothing else: the engine is paused
+    assert seen == {"status": Status.SUSPENDED, "loads": 0, "meta": [("w", [3], "float32")], "acks_sent": 2}
+    assert (synced.rank, synced.phase, synced.version) == (0, Phase.SYNCED, 1)
+    assert synced.engine["version"] == 1 and synced.engine["in_flight"] == 1 and synced.engine["busy_s"] > 0
+    assert synced.probe == [-1.0 / 2] * 3          # the fake engine's logprob after one load, per probe token
+    assert elapsed >= 2.0 + 0.5                     # the transport, then the load, before SYNCED
+    assert after == (Status.RUNNING, 1, 1, 1)       # resumed, loaded once, the request survived (keep mode)
+    assert no_probe.probe is None and no_probe.version == 2
+
+
 def test_abort_groups_and_stop(tok):
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=2, max_total_tokens=2000))
         for tid, gid, n in [("a1", "a", 500), ("b1", "b", 500), ("a2", "a", 5), ("c1", "c", 5)]:
             await buf.put_task(add_task(tid, gid, target_len=n))
         run = asyncio.create_task(m.run())
         await asyncio.sleep(1.0)
         assert set(m.jobs) == {"a1", "b1"}
-        await buf.send_command(0, {"cmd": "abort_groups", "group_ids": ["a"]})
+        await buf.send_command(0, Command(Cmd.ABORT_GROUPS, group_ids=["a"]))
         got = await collect(buf, 1)       # a2 is skipped (its group was aborted), c1 runs
         assert m.stats()["in_flight"] == 1 and set(m.jobs) == {"b1"}
         [stats] = await stop_all(buf, [m], [run])                       # b1 is still running
@@ -478,7 +536,7 @@ def test_config_validates():
 def test_reward_workers_process_pool(tok):
     """reward_workers > 0: the verifier runs in a process pool (real time, tiny fake steps)."""
     async def main():
-        buf = Buffer(LocalQueues(1), "test")
+        buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, cfg=RolloutConfig(reward_workers=1), t0=0.001, respond=script(tok, "2"))
         await buf.put_task(add_task("a", "g", prompt="1+1=", answer="2"))
         await buf.put_task(add_task("b", "g", prompt="1+2=", answer="3"))

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from buffer import Buffer, LocalQueues, RolloutTask
+from buffer import Cmd, Command, LocalQueues, RolloutTask, SampleBuffer
 from env_manager import EnvManager, RolloutConfig, env_seed
 from envs import ENVS
 from task import Problem
@@ -51,13 +51,13 @@ def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
              for env in ("chain", "guess") for i in range(3)]
 
     async def main():
-        buf = Buffer(LocalQueues(1), "engine test", timeout_s=120)
+        buf = SampleBuffer(LocalQueues(1), "engine test", timeout_s=120)
         mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
         for t in tasks:
             await buf.put_task(t)
         run = asyncio.create_task(mgr.run())
         samples = [await buf.get_sample() for _ in tasks]
-        await buf.send_command(0, {"cmd": "stop"})
+        await buf.send_command(0, Command(Cmd.STOP))
         return samples, await asyncio.wait_for(run, 60)
     samples, stats = lt.run(main(), timeout=300)
 

@@ -1,4 +1,4 @@
-"""sim.py on small settings: it drives the real Controller / Buffer / EnvManager / LLMProxy code in
+"""sim.py on small settings: it drives the real AsyncController / SampleBuffer / EnvManager / LLMProxy code in
 virtual time and its results are sane. Every number here is virtual time; nothing measures wall time."""
 
 from dataclasses import replace
@@ -14,7 +14,7 @@ TINY = sim.SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=4,
 
 
 def test_runs_the_real_scheduling_code():
-    """Every step's batch comes from Controller.collect (whole groups, staleness reported) and every
+    """Every step's batch comes from AsyncController.collect (whole groups, staleness reported) and every
     sync went through the three phases to every proxy (version and engine weight loads)."""
     r = sim.simulate(replace(TINY, async_ratio=1))
     assert len(r["rows"]) == TINY.steps
