@@ -13,8 +13,10 @@ controller.py's docstring has the table of who sends what and which timeout boun
 Transport is a small swappable detail:
 - LocalQueues: asyncio queues in one process (unit tests and sim.py, including virtual time);
 - ManagerQueues: multiprocessing.managers queues served over TCP by trainer rank 0 on the master
-  address with an authkey (train.py under torchrun, also across nodes). Calls from asyncio code poll
-  get_nowait with a short sleep, so an event loop is never blocked by a queue.
+  address with an authkey (train.py under torchrun, also across nodes). Every call moves a list of
+  items in one round trip (the controller admits a round of tasks at once, a rollout rank sends the
+  samples that finished since its last loop, the controller fetches every sample waiting); an empty
+  queue is polled with a short sleep, so an event loop is never blocked by a queue.
 Both are wrapped by `SampleBuffer`, whose methods are async and all take a timeout: a queue that stays
 empty past it raises TimeoutError naming the queue and the caller.
 
@@ -25,8 +27,8 @@ and counts samples that fail it, and the env managers abort running work that ca
 """
 
 import asyncio
+import collections
 import enum
-import queue
 import time
 from dataclasses import dataclass, field
 from multiprocessing.managers import BaseManager
@@ -88,9 +90,8 @@ class Cmd(enum.StrEnum):
 
 
 class Phase(enum.StrEnum):
-    READY = "ready"                # the rank's engine is up and its rollout loop runs
-    SUSPENDED = "suspended"        # SYNC: the engine is paused; the rank now receives the weights
-    SYNCED = "synced"              # SYNC: loaded, resumed, stale work aborted; carries engine stats, probe
+    READY = "ready"                # the rank's engine is up and its rollout loop runs; carries the probe
+    SYNCED = "synced"              # SYNC: received, loaded, resumed, stale work aborted; engine stats, probe
     STOPPED = "stopped"            # STOP: every trajectory ended; carries the rank's counters
 
 
@@ -107,9 +108,10 @@ class Command:
 class Ack:
     rank: int                              # rollout rank index (its command queue)
     phase: Phase
-    version: int | None = None             # SUSPENDED, SYNCED: the version of the SYNC being acked
-    engine: dict | None = None             # SYNCED: proxy.stats() after the load (busy/idle seconds...)
-    probe: list[float] | None = None       # SYNCED with Command.probe: engine logprobs of the probe
+    version: int | None = None             # SYNCED: the version of the SYNC being acked
+    engine: dict | None = None             # READY, SYNCED: proxy.stats() (busy/idle seconds...)
+    probe: list[float] | None = None       # READY, and SYNCED with Command.probe: engine logprobs of the probe
+    timings: dict | None = None            # SYNCED: receive_s (the transport), load_s (suspend + load + resume)
     stats: dict | None = None              # STOPPED: the env manager's counters
 
 
@@ -130,31 +132,58 @@ class LocalQueues:
     def q(self, name: str, rank: int | None = None):
         return self.commands[rank] if name == "commands" else self.queues[name]
 
-    async def put(self, name, item, rank=None):
-        self.q(name, rank).put_nowait(item)
+    async def put_many(self, name, items, rank=None):
+        for item in items:
+            self.q(name, rank).put_nowait(item)
 
-    async def get(self, name, rank=None):
-        return await self.q(name, rank).get()
+    async def get_many(self, name, max_items: int, rank=None) -> list:
+        """Wait for at least one item; return up to max_items."""
+        first = await self.q(name, rank).get()
+        return [first] + self.get_many_nowait(name, max_items - 1, rank)
 
-    def get_nowait(self, name, rank=None):
-        try:
-            return self.q(name, rank).get_nowait()
-        except asyncio.QueueEmpty:
-            return None
+    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
+        q, out = self.q(name, rank), []
+        while len(out) < max_items and not q.empty():
+            out.append(q.get_nowait())
+        return out
 
     def qsize(self, name, rank=None) -> int:
         return self.q(name, rank).qsize()
+
+
+class ServedQueue:
+    """A queue living in the manager's server process. Every call is one TCP round trip, so each
+    moves a whole list of items. deque append/popleft are atomic: the server's per-connection
+    threads need no lock."""
+
+    def __init__(self):
+        self.items = collections.deque()
+
+    def put_many(self, items: list):
+        self.items.extend(items)
+
+    def get_many(self, max_items: int) -> list:
+        out = []
+        while len(out) < max_items:
+            try:
+                out.append(self.items.popleft())
+            except IndexError:
+                break
+        return out
+
+    def qsize(self) -> int:
+        return len(self.items)
 
 
 class _QueueManager(BaseManager):
     pass
 
 
-_SERVED: dict[str, queue.Queue] = {}
+_SERVED: dict[str, ServedQueue] = {}
 
 
-def _served(name: str) -> queue.Queue:
-    return _SERVED.setdefault(name, queue.Queue())
+def _served(name: str) -> ServedQueue:
+    return _SERVED.setdefault(name, ServedQueue())
 
 
 _QueueManager.register("get_queue", callable=_served)
@@ -164,7 +193,7 @@ class ManagerQueues:
     """Queues served over TCP by a multiprocessing manager (train.py). The server side (trainer
     rank 0) calls serve(); every other rank connect()s with the same address and authkey."""
 
-    POLL_S = 0.005
+    POLL_S = 0.002    # an empty queue is polled this often, seconds (one cheap round trip each)
 
     def __init__(self, manager: BaseManager, num_ranks: int):
         self.manager = manager
@@ -194,26 +223,16 @@ class ManagerQueues:
     def q(self, name: str, rank: int | None = None):
         return self.commands[rank] if name == "commands" else self.queues[name]
 
-    async def put(self, name, item, rank=None):
-        self.q(name, rank).put(item)
+    async def put_many(self, name, items, rank=None):
+        self.q(name, rank).put_many(list(items))
 
-    async def get(self, name, rank=None):
-        q = self.q(name, rank)
-        while True:
-            item = self.get_nowait_q(q)
-            if item is not None:
-                return item
+    async def get_many(self, name, max_items: int, rank=None) -> list:
+        while not (items := self.get_many_nowait(name, max_items, rank)):
             await asyncio.sleep(self.POLL_S)
+        return items
 
-    @staticmethod
-    def get_nowait_q(q):
-        try:
-            return q.get_nowait()
-        except queue.Empty:
-            return None
-
-    def get_nowait(self, name, rank=None):
-        return self.get_nowait_q(self.q(name, rank))
+    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
+        return self.q(name, rank).get_many(max_items)
 
     def qsize(self, name, rank=None) -> int:
         return self.q(name, rank).qsize()
@@ -232,52 +251,72 @@ class ManagerQueues:
 
 
 class SampleBuffer:
+    MAX_BATCH = 4096       # items moved per transport call at most
+
     def __init__(self, transport, who: str = "?", timeout_s: float = 600.0):
         self.t = transport
         self.who = who              # e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
         self.timeout_s = timeout_s
+        self.inbox: collections.deque[Sample] = collections.deque()   # samples fetched, not yet handed out
 
-    async def _get(self, name: str, phase: str, rank=None, timeout: float | None = None):
+    async def _get_many(self, name: str, phase: str, rank=None, timeout: float | None = None,
+                        max_items: int = MAX_BATCH) -> list:
         timeout = self.timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(self.t.get(name, rank), timeout)
+            return await asyncio.wait_for(self.t.get_many(name, max_items, rank), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s during {phase}") from None
 
     # controller side
+    async def put_tasks(self, tasks: list[RolloutTask]):
+        await self.t.put_many("tasks", tasks)
+
     async def put_task(self, t: RolloutTask):
-        await self.t.put("tasks", t)
+        await self.put_tasks([t])
 
     async def get_sample(self, timeout: float | None = None) -> Sample:
-        return await self._get("samples", "collect samples", timeout=timeout)
+        if not self.inbox:          # one round trip fetches every sample waiting
+            self.inbox.extend(await self._get_many("samples", "collect samples", timeout=timeout))
+        return self.inbox.popleft()
 
     def get_sample_nowait(self) -> Sample | None:
-        return self.t.get_nowait("samples")
+        if not self.inbox:
+            self.inbox.extend(self.t.get_many_nowait("samples", self.MAX_BATCH))
+        return self.inbox.popleft() if self.inbox else None
 
     async def send_command(self, rank: int, cmd: Command):
-        await self.t.put("commands", cmd, rank)
+        await self.t.put_many("commands", [cmd], rank)
 
     async def get_ack(self, phase: str, timeout: float | None = None) -> Ack:
-        return await self._get("acks", phase, timeout=timeout)
+        return (await self._get_many("acks", phase, timeout=timeout, max_items=1))[0]
 
     def num_queued_tasks(self) -> int:
         return self.t.qsize("tasks")
 
     # rollout side
     async def get_task(self, timeout: float | None = None) -> RolloutTask:
-        return await self._get("tasks", "wait for a task", timeout=timeout)
+        return (await self._get_many("tasks", "wait for a task", timeout=timeout, max_items=1))[0]
+
+    def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
+        return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []
 
     def get_task_nowait(self) -> RolloutTask | None:
-        return self.t.get_nowait("tasks")
+        got = self.get_tasks_nowait(1)
+        return got[0] if got else None
+
+    async def put_samples(self, samples: list[Sample]):
+        if samples:
+            await self.t.put_many("samples", samples)
 
     async def put_sample(self, s: Sample):
-        await self.t.put("samples", s)
+        await self.put_samples([s])
 
     def get_command_nowait(self, rank: int) -> Command | None:
-        return self.t.get_nowait("commands", rank)
+        got = self.t.get_many_nowait("commands", 1, rank)
+        return got[0] if got else None
 
     async def put_ack(self, ack: Ack):
-        await self.t.put("acks", ack)
+        await self.t.put_many("acks", [ack])
 
     def close(self):
         if hasattr(self.t, "shutdown"):

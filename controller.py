@@ -20,21 +20,25 @@ Rollout modes:
 - "batch": the paper's batch-rollout baseline: the step waits for every admitted group to finish
   (a barrier), then takes B; if filtering left fewer than B, another round is admitted.
 
-The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues; R = rollout ranks):
+The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues):
 
 | message | sender -> receiver | carries | bounded by |
 |---|---|---|---|
-| Ack READY | each rollout rank -> controller | rank | wait_ready: timeout_s |
+| Ack READY | each rollout rank -> controller | rank, engine stats, the probe's logprobs (initial weights) | wait_ready: timeout_s |
 | Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), probe flag | - |
-| Ack SUSPENDED | rollout rank -> controller | rank, version: the engine is paused | sync_weights: timeout_s |
 | (the broadcast) | trainer rank 0 -> rollout ranks | the weights, in buckets (send_fn / receive_weights) | the sync group's timeout |
-| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs | sync_weights: timeout_s; rank side: sync_timeout_s |
+| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
 | Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
 | Cmd STOP | controller -> each rollout rank | - | - |
 | Ack STOPPED | rollout rank -> controller | rank, the env manager's counters | stop: timeout_s |
 
-The rollout side of SYNC lives in env_manager.EnvManager._sync; this side is sync_weights. A wait
-that times out names the ranks that did not ack and the phase.
+A weight sync, overlapped with training: sync_weights sends SYNC and broadcasts; the rank receives
+while its engine keeps generating, then suspends, loads and resumes (env_manager.EnvManager._sync)
+and acks SYNCED. The trainer waits only for the broadcast: it moves on to the next step, and the
+SYNCED acks are awaited at the start of the next sync_weights (so one sync is in flight at most) or
+by finish_sync. The controller's version is the trainer's: it moves on at the broadcast, so a sample
+generated in the few milliseconds before its engine loads counts as one version older, never newer.
+A wait that times out names the ranks that did not ack and the phase.
 """
 
 import asyncio
@@ -88,6 +92,8 @@ class AsyncController:
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
         self.acks: list[Ack] = []              # acks received but not yet waited for
+        self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
+        self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
 
     # --- schedule
@@ -102,16 +108,19 @@ class AsyncController:
 
     async def admit(self) -> int:
         n = max(0, self.admission_capacity())
+        tasks = []
         for _ in range(n):
             problem: Problem = next(self.problems)
             gid = f"g{next(self._gid)}"
             tasks_per_group = self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
             if self.cfg.replicate:
-                for j in range(tasks_per_group):
-                    await self.buffer.put_task(RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env))
+                tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
+                          for j in range(tasks_per_group)]
             else:
-                await self.buffer.put_task(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version, self.cfg.env))
+                tasks.append(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version, self.cfg.env))
             self.admitted_by_group[gid] = self.version
+        if tasks:
+            await self.buffer.put_tasks(tasks)     # one round trip for the whole round
         self.groups_admitted += n
         return n
 
@@ -165,29 +174,45 @@ class AsyncController:
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.ABORT_GROUPS, group_ids=group_ids))
 
-    # --- postprocess: weight sync, the paper's three phases
+    # --- postprocess: weight sync, overlapped with the next step
     async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None) -> dict:
-        """suspend -> broadcast (send_fn, a blocking collective, run in a thread) -> load + resume.
-        probe_ref: the trainer's logprobs of the probe; given, the ranks score it too and the
-        largest difference is returned. Returns timings, rollout utilisation since the previous
-        sync, the probe difference, and the SYNCED acks."""
+        """Send SYNC to every rollout rank and broadcast (send_fn, a blocking collective, run in a
+        thread); return when the broadcast is done. Each rank then suspends, loads, resumes and acks
+        SYNCED on its own while the trainer goes on; those acks are awaited at the next call (one
+        sync in flight at most) or by finish_sync(). probe_ref: the trainer's logprobs of the probe,
+        which the ranks then score too. Returns trainer-side timings plus the report of the
+        previous sync (see finish_sync)."""
         t0 = now()
+        report = await self.finish_sync()
+        t1 = now()
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.SYNC, new_version, meta, probe=probe_ref is not None))
-        await self._wait_acks(Phase.SUSPENDED, new_version)
-        t1 = now()
         await asyncio.to_thread(send_fn)
         t2 = now()
-        acks = await self._wait_acks(Phase.SYNCED, new_version)
         self.version = new_version
+        self.in_flight = (new_version, probe_ref)
         # groups that can no longer be fresh: drop them here and stop their running samples
         dropped = self.asm.evict_stale(self.version)
         if dropped:
             await self._abort_groups(dropped)
-        diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
-        return {"time_weight_sync": now() - t0, "time_suspend": t1 - t0, "time_broadcast": t2 - t1,
+        return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
+                **report}
+
+    async def finish_sync(self) -> dict:
+        """Wait for the SYNCED acks of the sync in flight, if any, and report what they carry:
+        the version they loaded (synced_version), the largest probe difference against the
+        trainer's (None if not probed), the engines' utilisation since their previous SYNCED ack,
+        and the slowest rank's receive and suspend+load+resume times."""
+        if self.in_flight is None:           # nothing in flight: what wait_ready found, once
+            report, self.unreported = self.unreported, {}
+            return report
+        version, probe_ref = self.in_flight
+        acks = await self._wait_acks(Phase.SYNCED, version)
+        self.in_flight = None
+        return {"synced_version": version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
                 "rollout_utilisation": self._utilisation(acks),
-                "sync_probe_max_diff": max(diffs) if probe_ref is not None and diffs else None, "acks": acks}
+                "time_receive": max(a.timings["receive_s"] for a in acks),
+                "time_engine_load": max(a.timings["load_s"] for a in acks)}
 
     def _utilisation(self, acks: list[Ack]) -> float:
         """Engine busy time / wall time since each rank's previous SYNCED ack, over all ranks."""
@@ -219,15 +244,26 @@ class AsyncController:
         self.acks = [a for a in self.acks if not match(a)]
         return got
 
-    async def wait_ready(self):
-        """Wait until every rollout rank reports its engine up (ack READY)."""
-        await self._wait_acks(Phase.READY, None)
+    async def wait_ready(self, probe_ref: list[float] | None = None) -> dict:
+        """Wait until every rollout rank reports its engine up (ack READY). With probe_ref (the
+        trainer's logprobs of the probe), compare the engines' own: do they start from the same
+        weights? Returns that check in finish_sync's terms, for version `self.version`."""
+        acks = await self._wait_acks(Phase.READY, None)
+        self.unreported = {"synced_version": self.version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
+                           "rollout_utilisation": self._utilisation(acks)}
+        return self.unreported
 
     async def stop(self) -> list[dict]:
         """Tell every rollout rank to stop, and wait until each has; returns their counters."""
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.STOP))
         return [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
+
+
+def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:
+    """Largest |engine - trainer| logprob over the probe tokens and ranks; None if not probed."""
+    diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
+    return max(diffs) if probe_ref is not None and diffs else None
 
 
 def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, make=None):

@@ -7,25 +7,30 @@ Two parts, one job each:
 - run_trajectory(proxy, new_env, tokenizer, cfg, task) -> Sample: the paper's environment-level loop
   for one sample (reset, generate, step, reward, retries). Knows nothing of slots or commands.
 - EnvManager: slot scheduling and the commands of the controller. Every `poll_s` (or at once when a
-  slot frees) it handles this rank's commands (buffer.Cmd: SYNC, ABORT_GROUPS, STOP) and pulls
-  RolloutTasks from the shared task queue while it has free slots, each into its own asyncio task
-  (a task with num_samples n takes n slots).
+  slot frees) it sends the samples that finished since its last pass (one round trip), handles this
+  rank's commands (buffer.Cmd: SYNC, ABORT_GROUPS, STOP) and pulls RolloutTasks from the shared task
+  queue into its free slots, each into its own asyncio task (a task with num_samples n takes n slots).
 
-Nothing waits for anything else: every trajectory is generated, rewarded and put on the sample queue
-the moment it ends (queue scheduling). The controller issues a group's samples as separate tasks, so
+Nothing waits for anything else: every trajectory is generated, rewarded and sent on the sample
+queue the moment it ends (queue scheduling; "the moment" = the manager's next pass, which a
+finishing trajectory triggers at once). The controller issues a group's samples as separate tasks, so
 they spread over every rank pulling from the queue (prompt replication). The one barrier is
 deliberate: a task with num_samples > 1 (the batch baseline the paper compares against) is generated
 here in full and its samples are put together when the last one ends.
 
 Weight sync, the rollout side of controller.AsyncController.sync_weights (Cmd.SYNC):
 
-    proxy.suspend(cfg.suspend_mode) -> ack SUSPENDED -> named = await receive_weights(cmd)
-    -> proxy.update_weights(named, version) -> proxy.resume() -> abort work that can no longer be
-    fresh -> ack SYNCED (engine stats; the probe's logprobs when cmd.probe)
+    named = await receive_weights(cmd)     (the engine keeps generating meanwhile)
+    -> proxy.suspend(cfg.suspend_mode) -> proxy.update_weights(named, version) -> proxy.resume()
+    -> abort work that can no longer be fresh -> ack SYNCED (engine stats, receive and load times;
+    the probe's logprobs when cmd.probe)
 
 `receive_weights(cmd) -> [(name, tensor)]` is the transport, injected: train.py receives the
 trainer's torch.distributed broadcast, sim.py sleeps the modelled broadcast time, bench.py and the
 tests hand the tensors over directly. Everything else about a sync is here, the same in all of them.
+The weights arrive in host memory while the engine runs, so the engine is paused only for the load
+(the paper pauses for the whole broadcast); a transport that writes straight into the engine's
+memory must suspend first instead.
 
 A trajectory (run_trajectory):
 
@@ -70,6 +75,7 @@ Simplifications and deviations, on purpose:
 """
 
 import asyncio
+import collections
 import hashlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -77,7 +83,7 @@ from dataclasses import dataclass, field
 from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
 from config import flag
 from envs import ENVS
-from proxy import Sampling, Status
+from proxy import Sampling, Status, now
 
 
 @dataclass
@@ -196,8 +202,9 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
 
     async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
         try:
-            return await asyncio.wait_for(coro, cfg.env_step_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(cfg.env_step_timeout_s):   # no extra task, unlike wait_for
+                return await coro
+        except TimeoutError:
             raise EnvFailure(f"{where} {phase} (task {task.task_id}) took longer than "
                              f"{cfg.env_step_timeout_s:g}s", timeout=True) from None
         except Exception as e:    # CancelledError is not an Exception: aborts pass through
@@ -257,7 +264,8 @@ class EnvManager:
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
         self.aborted_groups: set[str] = set()
-        self.held: RolloutTask | None = None    # pulled, waiting for enough free slots
+        self.held: collections.deque[RolloutTask] = collections.deque()   # pulled, waiting for free slots
+        self.outbox: list[Sample] = []          # finished samples, sent on the manager's next pass
         self.slots_used = 0
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
@@ -270,7 +278,8 @@ class EnvManager:
     # --- control loop
 
     async def run(self) -> dict:
-        await self.buffer.put_ack(Ack(self.rank, Phase.READY))
+        probe = await self.proxy.score(self.probe_ids) if self.probe_ids else None   # the initial weights
+        await self.buffer.put_ack(Ack(self.rank, Phase.READY, engine=self.proxy.stats(), probe=probe))
         try:
             await self._loop()
         except BaseException:
@@ -280,6 +289,7 @@ class EnvManager:
                 pass
             raise
         await self._close()
+        await self._flush()
         await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats()))
         return self.stats()
 
@@ -287,6 +297,7 @@ class EnvManager:
         while True:
             if self.error is not None:
                 raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
+            await self._flush()
             cmd = self.buffer.get_command_nowait(self.rank)
             if cmd is not None:
                 if await self._handle(cmd):
@@ -323,35 +334,39 @@ class EnvManager:
         return False
 
     async def _sync(self, cmd: Command):
-        """The rollout side of a weight update (module docstring); the acks are what the controller waits for."""
-        v = cmd.version
-        await self.proxy.suspend(self.cfg.suspend_mode)
-        await self.buffer.put_ack(Ack(self.rank, Phase.SUSPENDED, v))
+        """The rollout side of a weight update (module docstring); the controller waits for its ack."""
+        v, t0 = cmd.version, now()
         named = await self.receive_weights(cmd) if self.receive_weights is not None else []
+        t1 = now()
+        await self.proxy.suspend(self.cfg.suspend_mode)
         await self.proxy.update_weights(named, v)
         await self.proxy.resume()
+        t2 = now()
         stale = [tid for tid in self.jobs if not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]
         await self._abort(stale, "aborted_stale")
         probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
-        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe))
+        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
+                                      timings={"receive_s": t1 - t0, "load_s": t2 - t1}))
 
     def _pull_tasks(self):
-        """Start tasks while there are free slots; never waits (the queue is polled)."""
+        """Start tasks while there are free slots; never waits (the queue is polled). One round trip
+        fetches up to as many tasks as there are free slots."""
         while self.slots_used < self.cfg.max_concurrency:
-            t = self.held or self.buffer.get_task_nowait()
-            self.held = None
-            if t is None:
-                return
+            if not self.held:
+                self.held.extend(self.buffer.get_tasks_nowait(self.cfg.max_concurrency - self.slots_used))
+                if not self.held:
+                    return
+            t = self.held[0]
             if t.group_id in self.aborted_groups:
+                self.held.popleft()
                 self.counters["tasks_skipped"] += 1
                 continue
             if t.num_samples > self.cfg.max_concurrency:
                 raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
                                  f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
             if self.slots_used + t.num_samples > self.cfg.max_concurrency:
-                self.held = t
-                return
-            self._start(t)
+                return             # held until enough slots free
+            self._start(self.held.popleft())
 
     def _start(self, t: RolloutTask):
         self.slots_used += t.num_samples
@@ -397,24 +412,38 @@ class EnvManager:
 
     async def _run_task(self, t: RolloutTask):
         live = self.trajs[t.task_id]            # index -> the attempt running now, for aborts and staleness
-        subs = [asyncio.ensure_future(run_trajectory(self.proxy, lambda: self._make_env(t), self.tok, self.cfg, t, i,
-                                                     on_attempt=live.__setitem__, on_failure=self._report_failure))
-                for i in range(t.num_samples)]
-        try:
-            samples = await asyncio.gather(*subs)
-        finally:
-            for s in subs:         # on abort or crash, siblings end too
-                s.cancel()
+
+        def one(i):
+            return run_trajectory(self.proxy, lambda: self._make_env(t), self.tok, self.cfg, t, i,
+                                  on_attempt=live.__setitem__, on_failure=self._report_failure)
+        if t.num_samples == 1:     # replicated tasks: the common case, no sub-tasks
+            samples = [await one(0)]
+        else:
+            subs = [asyncio.ensure_future(one(i)) for i in range(t.num_samples)]
+            try:
+                samples = await asyncio.gather(*subs)
+            finally:
+                for s in subs:     # on abort or crash, siblings end too
+                    s.cancel()
         for s in samples:          # num_samples > 1: all n together, on purpose (the baseline's barrier)
             if s is not None:
-                await self.buffer.put_sample(s)
+                self._send(s)
                 self.counters["samples_sent"] += 1
+
+    def _send(self, s: Sample):
+        self.outbox.append(s)
+        self.wake.set()            # the control loop flushes the outbox at once
+
+    async def _flush(self):
+        if self.outbox:
+            out, self.outbox = self.outbox, []
+            await self.buffer.put_samples(out)
 
     async def _report_failure(self, s: Sample):
         self.counters["samples_failed"] += 1
         self.counters["env_timeouts"] += s.meta["timeout"]
         self.counters["retries"] += s.meta["retrying"]
-        await self.buffer.put_sample(s)
+        self._send(s)
 
     def _make_env(self, t: RolloutTask):
         if t.env not in ENVS:

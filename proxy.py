@@ -154,6 +154,9 @@ class VLLMEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # (vLLM's CPU platform always runs the model in a worker process separate from the engine
+        # core, even for one worker; the two hand over through a shared-memory queue that spins with
+        # sched_yield. Both inherit this rank's core, so the spinning yields to generation.)
         args = AsyncEngineArgs(
             model=str(model_dir), dtype="float32", max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,

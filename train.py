@@ -65,7 +65,7 @@ class Config:
     micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
-    check_sync: bool = opt(True, "after each sync, compare engine and trainer logprobs on a probe")
+    check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N syncs; 0 = never")
     timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing")
     seed: int = opt(0, "seeds data order and the trainer")
 
@@ -74,8 +74,9 @@ class Config:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.save_every < 0 or self.check_sync_every < 0:
+            raise ValueError(f"--save-every and --check-sync-every must be >= 0, got {self.save_every}, "
+                             f"{self.check_sync_every}")
         # every other field belongs to a component, whose config validates it
         self.controller_config(), self.rollout_config(), self.train_config()
 
@@ -137,6 +138,18 @@ def print0(*args):
         print(*args, flush=True)
 
 
+def pin_to_core() -> int:
+    """CPU runs: this rank (and the engine processes it starts, which inherit it) gets one core of
+    its own, LOCAL_RANK round robin over the cores this process may use. On 2 cores with one trainer
+    and one rollout rank, training and generation then never compete for a core (measured in the
+    README: the trainer's step doubled when they did). Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return core
+
+
 # ---------------------------------------------------------------------------------------------
 # trainer ranks
 
@@ -149,18 +162,22 @@ class TrainerRanks:
     broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives need
     all of them. Ranks > 0 just follow()."""
 
-    def __init__(self, trainer, cfg: Config, group, model_dir: str, probe: list[int] | None):
-        self.trainer, self.cfg, self.group, self.model_dir, self.probe = trainer, cfg, group, model_dir, probe
+    def __init__(self, trainer, cfg: Config, group, model_dir: str, probe_ids: list[int]):
+        self.trainer, self.cfg, self.group, self.model_dir, self.probe_ids = trainer, cfg, group, model_dir, probe_ids
 
-    def train(self, batch, advantages: list[float]):
+    def train(self, batch, advantages: list[float], probe: bool):
         """One optimizer step on every rank (rank r gets batch[r::n]); returns rank 0's metrics, the
-        full weights and the trainer's probe logprobs (None without a probe)."""
+        full weights and, if `probe`, the trainer's probe logprobs under the new weights (else None)."""
         n = self.cfg.train_gpus
         return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)],
-                          "advantages": [advantages[r::n] for r in range(n)]})
+                          "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
 
     def save(self, state: dict):
         self._run({"op": "save", "state": state})
+
+    def probe(self) -> list[float]:
+        """The trainer's logprobs of the probe sequence (a forward pass on every rank under FSDP)."""
+        return self._run({"op": "probe"})
 
     def stop(self):
         self._tell({"op": "stop"})
@@ -188,13 +205,21 @@ class TrainerRanks:
         if op["op"] == "train":
             metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank])
             named = tr.full_state()                                    # collective under FSDP
-            return metrics, named, (tr.probe_logprobs(self.probe) if self.probe else None)
+            return metrics, named, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
+        if op["op"] == "probe":
+            return tr.probe_logprobs(self.probe_ids)
         if op["op"] == "save":
             tr.save_checkpoint(self.cfg.out_dir, op["state"], self.model_dir)
 
 
 class RunLog:
-    """Rank 0's record of the run: metrics.jsonl (a row per step) and the progress line."""
+    """Rank 0's record of the run: metrics.jsonl (a row per step) and the progress line.
+
+    A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
+    row of the step after it: row k carries synced_version (the weights checked: k - 1, or the
+    starting weights in row 1), sync_probe_max_diff (None when that sync was not probed),
+    rollout_utilisation (engine busy fraction between that ack and the one before), time_receive and
+    time_engine_load. time_weight_sync is what the trainer itself spent on step k's sync."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -204,11 +229,9 @@ class RunLog:
     def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
              time_step: float) -> dict:
         row = {"step": step, "version": version, **info, **train, "time_train": time_train,
-               **{k: sync[k] for k in ("time_weight_sync", "time_broadcast", "rollout_utilisation")},
+               **{k: v for k, v in sync.items() if k != "acks"},
                "time_step": time_step, "samples_per_s": info["num_samples"] / time_step,
                "tokens_per_s": info["num_tokens"] / time_step}
-        if self.cfg.check_sync:
-            row["sync_probe_max_diff"] = sync["sync_probe_max_diff"]
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         self.rewards.append(row["reward_mean"])
@@ -221,7 +244,7 @@ class RunLog:
                 f"(avg10 {avg10:.3f}) | stale max {r['staleness_max']} mean {r['staleness_mean']:.2f} | "
                 f"dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | {r['time_step']:.2f}s "
                 f"(wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync {r['time_weight_sync']:.2f}) | "
-                f"{r['samples_per_s']:.1f} samples/s | util {r['rollout_utilisation']:.2f}")
+                f"{r['samples_per_s']:.1f} samples/s | util {r.get('rollout_utilisation', 0.0):.2f}")
 
 
 def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
@@ -236,7 +259,7 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
-    probe = AutoTokenizer.from_pretrained(model_dir).encode(PROBE_TEXT) if cfg.check_sync else None
+    probe = AutoTokenizer.from_pretrained(model_dir).encode(PROBE_TEXT)
     ranks = TrainerRanks(trainer, cfg, groups.trainer, model_dir, probe)
     if rank != 0:
         return ranks.follow()
@@ -251,16 +274,20 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     log = RunLog(cfg)
     bucket_bytes = cfg.bucket_mb << 20
 
+    def probe_due(version: int) -> bool:
+        return cfg.check_sync_every > 0 and version % cfg.check_sync_every == 0
+
     async def main():
         t = time.monotonic()
-        await ctrl.wait_ready()   # engines started and warmed up, so step 1 measures a step, not start-up
-        print0(f"rollout ready: {cfg.rollout_gpus} engines in {time.monotonic() - t:.1f}s")
+        ready = await ctrl.wait_ready(ranks.probe() if probe_due(0) else None)   # engines up and warmed up
+        print0(f"rollout ready: {cfg.rollout_gpus} engines in {time.monotonic() - t:.1f}s"
+               + (f", probe diff {ready['sync_probe_max_diff']:.1e}" if probe_due(0) else ""))
         for step in range(state["step"] if state else 0, cfg.steps):
             t0 = time.monotonic()
             batch, info = await ctrl.collect()                                 # schedule + run: B fresh groups
             adv = group_advantages(torch.tensor([s.reward for s in batch]), cfg.group_size).tolist()
             t1 = time.monotonic()
-            metrics, named, probe_ref = ranks.train(batch, adv)                # every trainer rank, then full weights
+            metrics, named, probe_ref = ranks.train(batch, adv, probe=probe_due(ctrl.version + 1))   # all trainer ranks
             t2 = time.monotonic()
             send = lambda: broadcast_weights(named, groups.sync, bucket_bytes, device, "trainer rank 0")
             sync = await ctrl.sync_weights(ctrl.version + 1, send, weight_meta(named), probe_ref)   # postprocess
@@ -269,6 +296,9 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                 # data position = problems drawn so far: groups admitted but not yet trained are skipped on resume
                 ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
                             "data_position": data_pos + ctrl.groups_admitted})
+        last = await ctrl.finish_sync()                                        # the last sync's acks
+        if last.get("sync_probe_max_diff") is not None:
+            print0(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}")
         await ctrl.stop()
 
     try:
@@ -300,10 +330,10 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
         return await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
 
     async def main():
-        # CPU: one core per engine, round robin over this node's cores (see proxy.VLLMEngine.start)
-        cores = str(int(os.environ.get("LOCAL_RANK", index)) % os.cpu_count()) if device == "cpu" else ""
+        # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
+        cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
         proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index,
-                                          cpu_cores=cores)
+                                          cpu_cores=cores, max_num_seqs=cfg.max_concurrency)
         proxy.version = state["version"] if state else 0
         try:
             await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
@@ -321,6 +351,8 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
     rank, world, device, groups = init_distributed(cfg)
+    if device == "cpu":
+        pin_to_core()
     try:
         state = None
         if cfg.resume:

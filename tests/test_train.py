@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--batch-groups", "4", "--group-size", "4", "--redundant", "2", "--max-concurrency", "16",
-         "--timeout-s", "180"]
+         "--timeout-s", "180", "--check-sync-every", "1"]
 
 
 def free_port_pair() -> int:
