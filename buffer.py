@@ -29,6 +29,10 @@ and counts samples that fail it, and the env managers abort running work that ca
 import asyncio
 import collections
 import enum
+import os
+import signal
+import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.managers import BaseManager
@@ -119,6 +123,20 @@ class Ack:
 # transports
 
 
+def die_with_parent(sig: int = signal.SIGKILL):
+    """Linux: ask the kernel to send `sig` to this process when its parent dies (prctl
+    PR_SET_PDEATHSIG), so a helper process never outlives the process that started it, even when
+    that one is SIGKILLed. (Precisely: when the parent *thread* that started it ends; start helpers
+    from a thread that lives as long as its process.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    ppid = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))    # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != ppid:                                 # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
 QUEUE_NAMES = ("tasks", "samples", "acks")
 
 
@@ -202,8 +220,16 @@ class ManagerQueues:
 
     @classmethod
     def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int) -> "ManagerQueues":
+        with socket.socket() as probe:     # a port in use: say so (the manager would fail later, obscurely)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the manager's own listener
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                raise OSError(f"buffer: the queue server's port {host}:{port} is in use ({e.strerror}): another "
+                              f"run on this MASTER_PORT (the queue server takes MASTER_PORT + 1)? Pick another "
+                              f"--master-port") from None
         m = _QueueManager(address=(host, port), authkey=authkey)
-        m.start()
+        m.start(initializer=die_with_parent)    # the server process ends with trainer rank 0, even on SIGKILL
         return cls(m, num_ranks)
 
     @classmethod
@@ -357,6 +383,8 @@ class GroupAssembler:
         self.groups_filtered = 0
         self.groups_dropped_stale = 0
         self.groups_failed = 0            # groups with a sample the rollout side gave up on
+        self.last_failed: Sample | None = None          # examples for error messages (controller's stall report)
+        self.last_filtered: list[Sample] | None = None
 
     def _fresh(self, s: Sample, version: int) -> bool:
         return fresh(s.oldest_version, version, self.async_ratio)
@@ -369,6 +397,7 @@ class GroupAssembler:
     def add(self, s: Sample, version: int):
         if s.failed:
             self.samples_failed += 1
+            self.last_failed = s
             if not s.meta.get("retrying", True) and s.group_id not in self.closed:
                 # the rollout side gave up on this sample: its group can never complete
                 dropped = self.pending.pop(s.group_id, [])
@@ -393,6 +422,7 @@ class GroupAssembler:
             if self.filter_equal and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1
                 self.samples_filtered += len(group)
+                self.last_filtered = group
             else:
                 self.ready.append(group)
 

@@ -74,6 +74,14 @@ class ControllerConfig:
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.filter_equal and self.group_size < 2:
+            raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample always has "
+                             f"all-equal rewards, so every group would be filtered and no batch could form; "
+                             f"use --group-size >= 2")
+        from envs import ENVS
+        if self.env not in ENVS:
+            raise ValueError(f"--env {self.env!r}: no such environment; known: {', '.join(k for k in ENVS if k)} "
+                             f"(empty: single-turn RLVR)")
 
 
 class AsyncController:
@@ -132,11 +140,20 @@ class AsyncController:
                       surplus=asm.samples_surplus)
         self.step_rewards = []
         await self.admit()
+        ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
         while True:
             enough = asm.num_ready() >= cfg.batch_groups
             if enough and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
                 break
-            s = await self.buffer.get_sample(timeout=cfg.timeout_s)
+            if asm.num_ready() > ready:
+                ready, t_progress = asm.num_ready(), now()
+            waited = now() - t_progress
+            try:
+                if waited > cfg.timeout_s:
+                    raise TimeoutError
+                s = await self.buffer.get_sample(timeout=cfg.timeout_s - waited)
+            except TimeoutError:
+                raise TimeoutError(self._stall_report(before)) from None
             closed_before = len(asm.closed)
             asm.add(s, self.version)
             if not s.failed:
@@ -164,6 +181,24 @@ class AsyncController:
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
         }
         return batch, info
+
+    def _stall_report(self, before: dict) -> str:
+        """Why no batch could form: what happened to the samples of this step, with an example."""
+        asm = self.asm
+        failed, filtered = asm.samples_failed - before["failed"], asm.groups_filtered - before["filtered"]
+        stale = asm.samples_dropped_stale - before["stale"]
+        msg = (f"{self.buffer.who}: no new group became ready for {self.cfg.timeout_s:.0f}s "
+               f"({asm.num_ready()} of {self.cfg.batch_groups} ready); this step so far: {len(self.step_rewards)} "
+               f"samples arrived, {failed} failed, {filtered} groups filtered (all rewards equal), {stale} dropped "
+               f"as stale")
+        if failed and asm.last_failed is not None:
+            msg += f"; a failed sample: {asm.last_failed.meta.get('error', '?')}"
+        elif filtered and asm.last_filtered:
+            msg += (f"; a filtered group: rewards {[x.reward for x in asm.last_filtered]} "
+                    f"(every sample of a group scored alike: the task too hard or too easy for the model?)")
+        elif not self.step_rewards and not failed:
+            msg += "; nothing arrived at all: are the rollout ranks alive and pulling tasks?"
+        return msg
 
     def _all_admitted_done(self) -> bool:
         """Batch mode barrier: every admitted group is either complete or lost."""

@@ -28,7 +28,8 @@ case "$cmd" in
         exec "$venv/bin/python" -m pytest "$@" ;;
     train)
         "$venv/bin/python" tiny_model.py --quiet
-        exec "$venv/bin/torchrun" --nproc-per-node 3 train.py --rollout-gpus 2 --train-gpus 1 "$@" ;;
+        # the default layout for a 2-core machine: one trainer rank and one engine, a core each
+        exec "$venv/bin/torchrun" --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1 "$@" ;;
     *)
         echo "usage: bash run.sh [train|test] [args...]" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """train.py: asynchronous RL post-training, ROLL Flash style. The entry point.
 
     torchrun --nproc-per-node 40 train.py --rollout-gpus 24 --train-gpus 16 --model DIR --data FILE   # GPU cluster
-    torchrun --nproc-per-node 3 train.py --rollout-gpus 2 --train-gpus 1                              # this CPU box
+    torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1                              # this CPU box
     bash run.sh                                   # the same, after setting everything up
 
 Roles, from torchrun's environment alone: global ranks [0, train_gpus) are trainer ranks, the rest
@@ -43,13 +43,14 @@ from trainer import TrainConfig
 
 @dataclass
 class Config:
-    rollout_gpus: int = opt(2, "ranks that run a vLLM engine (one GPU each; CPU here)")
+    rollout_gpus: int = opt(1, "ranks that run a vLLM engine (one GPU each; on CPU one core each)")
     train_gpus: int = opt(1, "ranks that train (FSDP2 across them)")
     model: str = opt("", "HF model dir; empty = the embedded tiny model (built on first use)")
     data: str = opt("", "JSONL/parquet with prompt + answer rows; empty = generated addition problems")
     env: str = opt("", "multi-turn environment name (env_manager/envs); empty = single-turn RLVR")
     out_dir: str = opt("runs/default", "metrics.jsonl and checkpoint/ go here")
     resume: bool = opt(False, "continue from out_dir/checkpoint (step, version, data position, optimizer)")
+    overwrite: bool = opt(False, "start afresh in an out_dir that holds a checkpoint (its metrics and checkpoint go)")
     steps: int = opt(80, "training steps (weight versions) to run")
     async_ratio: int = opt(2, "max policy versions a trained sample may lag; 0 = synchronous")
     loss: str = opt("ppo", "reinforce | ppo | decoupled_ppo | tis | cispo | topr | gspo")
@@ -70,6 +71,8 @@ class Config:
     seed: int = opt(0, "seeds data order and the trainer")
 
     def __post_init__(self):
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: pick one")
         if self.rollout_gpus < 1 or self.train_gpus < 1:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
         if self.steps < 1:
@@ -103,7 +106,7 @@ def init_distributed(cfg: Config):
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         sys.exit(f"train.py: {', '.join(missing)} not set: launch with torchrun, e.g.\n"
-                 f"  torchrun --nproc-per-node 3 train.py --rollout-gpus 2 --train-gpus 1")
+                 f"  torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cfg.rollout_gpus + cfg.train_gpus != world:
         sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus} = "
@@ -348,22 +351,61 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 # ---------------------------------------------------------------------------------------------
 
 
+def check_run_dir(cfg: Config) -> dict | None:
+    """Before any process group or engine starts: does what out_dir holds fit what was asked?
+    Returns the checkpoint state to resume from (None: a fresh run); exits naming the problem."""
+    from trainer import read_checkpoint_state
+    out = Path(cfg.out_dir)
+    state = read_checkpoint_state(cfg.out_dir)
+    if not cfg.resume:
+        if state is not None and not cfg.overwrite:
+            sys.exit(f"train.py: --out-dir {out} holds a checkpoint (step {state['step']}): pass --resume to "
+                     f"continue it, or --overwrite to start over (its metrics and checkpoint are then replaced)")
+        try:                                    # writable? (rank 0 writes; every rank checks, cheaply)
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            sys.exit(f"train.py: --out-dir {out} cannot be written: {e.strerror}")
+        return None
+    if state is None:
+        sys.exit(f"train.py: --resume: no checkpoint in {out / 'checkpoint'}")
+    saved = state.get("config", {})
+    if saved.get("train_gpus", cfg.train_gpus) != cfg.train_gpus:
+        sys.exit(f"train.py: --resume: the checkpoint was written by {saved['train_gpus']} trainer ranks "
+                 f"(--train-gpus {saved['train_gpus']}); its optimizer is sharded that way, so resume with the same")
+    if cfg.model and cfg.model != saved.get("model", cfg.model):
+        sys.exit(f"train.py: --resume: --model {cfg.model} is not the model this run started from "
+                 f"({saved.get('model') or 'the embedded tiny model'}); a resumed run continues its checkpoint")
+    if cfg.steps <= state["step"]:
+        sys.exit(f"train.py: --resume: the checkpoint is at step {state['step']}, so --steps {cfg.steps} leaves "
+                 f"nothing to do; pass --steps > {state['step']}")
+    return state
+
+
+def trim_metrics(out_dir: str, step: int):
+    """Resume: drop the rows a crashed run wrote after its last checkpoint (they are trained again)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        keep = [line for line in rows if json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+
 def main():
     cfg = parse_cli(Config, doc=__doc__)
+    state = check_run_dir(cfg)
+    if state and not cfg.model:     # what the checkpoint records: the model the run started from
+        cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
     rank, world, device, groups = init_distributed(cfg)
     if device == "cpu":
         pin_to_core()
     try:
-        state = None
-        if cfg.resume:
-            from trainer import read_checkpoint_state
-            state = read_checkpoint_state(cfg.out_dir)
-            if state is None:
-                raise SystemExit(f"--resume: no checkpoint in {cfg.out_dir}/checkpoint")
-        model_dir = cfg.model
-        if state:
-            model_dir = str(Path(cfg.out_dir) / "checkpoint")
-        elif not model_dir:
+        model_dir = str(Path(cfg.out_dir) / "checkpoint") if state else cfg.model
+        if not model_dir:
             import tiny_model
             if rank == 0:
                 tiny_model.ensure_tiny_model(log=print0)
@@ -372,8 +414,9 @@ def main():
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
         if rank == 0:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            if not cfg.resume:
+            if state:
+                trim_metrics(cfg.out_dir, state["step"])
+            else:
                 (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
             print0(f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, "
                    f"model {model_dir}, async ratio {cfg.async_ratio}, loss {cfg.loss}, device {device}"
@@ -386,7 +429,6 @@ def main():
         collective("final barrier", dist.barrier)
     finally:
         cleanup()
-
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ Deliberate simplifications:
   of trainer ranks. The model itself is saved whole, in HF format.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -179,8 +180,8 @@ class Trainer:
     def save_checkpoint(self, out_dir: str, state: dict, tokenizer_dir: str):
         """<out_dir>/checkpoint: HF model (safetensors + config) + tokenizer, optimizer shard per
         trainer rank, state.json (step, version, data position...). Written to checkpoint.tmp and
-        renamed into place, so a crash mid-write leaves the previous checkpoint intact.
-        Collective: every trainer rank calls it."""
+        renamed into place, so a crash mid-write leaves the previous checkpoint intact; a write that
+        fails (a full disk...) removes checkpoint.tmp and says why. Collective: every trainer rank calls it."""
         final = Path(out_dir) / "checkpoint"
         tmp = Path(out_dir) / "checkpoint.tmp"
         named = self.full_state()
@@ -189,18 +190,13 @@ class Trainer:
             tmp.mkdir(parents=True)
         if self.group is not None:
             dist.barrier(group=self.group)
-        torch.save(self.opt.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
-        if self.rank == 0:
-            from safetensors.torch import save_file
-            from transformers import AutoTokenizer
-
-            model = self.model
-            model.config.save_pretrained(tmp)
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(tmp)
-            save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        try:
+            torch.save(self.opt.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
+            if self.rank == 0:
+                self._write_model(tmp, named, state, tokenizer_dir)
+        except (OSError, RuntimeError) as e:   # torch.save reports a full disk as RuntimeError("... iostream error")
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(checkpoint_error(tmp, e)) from e
         if self.group is not None:
             dist.barrier(group=self.group)
         if self.rank == 0:
@@ -211,11 +207,36 @@ class Trainer:
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
 
+    def _write_model(self, tmp: Path, named, state: dict, tokenizer_dir: str):
+        from safetensors.torch import save_file
+        from transformers import AutoTokenizer
+
+        self.model.config.save_pretrained(tmp)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(tmp)
+        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+
     def load_optimizer(self, ckpt_dir: str):
         path = Path(ckpt_dir) / f"optimizer.rank{self.rank}.pt"
         if not path.exists():
             raise FileNotFoundError(f"--resume: {path} missing (resume needs the same number of trainer ranks)")
-        self.opt.load_state_dict(torch.load(path, weights_only=False))
+        # weights_only: a crafted optimizer file must not run code on --resume
+        self.opt.load_state_dict(torch.load(path, weights_only=True))
+
+
+def checkpoint_error(tmp: Path, e: BaseException) -> str:
+    """A checkpoint write failed: say where, why, and whether the disk is full (torch.save and
+    safetensors often report a full disk only as an I/O error)."""
+    msg = f"writing the checkpoint to {tmp} failed: {e}"
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        return msg
+    if getattr(e, "errno", None) == errno.ENOSPC or free < 64 << 20:
+        msg += f" -- No space left on device ({free / 2**20:.1f} MiB free on {tmp.parent})"
+    return msg + "; the previous checkpoint, if any, is untouched"
 
 
 def read_checkpoint_state(out_dir: str) -> dict | None:

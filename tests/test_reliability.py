@@ -1,0 +1,224 @@
+"""Bad input gets a clear answer before anything starts; nothing outlives its parent; a stalled run
+says why; checkpoints fail cleanly. (No engines here: these run in seconds.)"""
+
+import asyncio
+import errno
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffer import LocalQueues, ManagerQueues, Sample, SampleBuffer
+from controller import AsyncController, ControllerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_py(*args, env=None) -> subprocess.CompletedProcess:
+    """train.py run directly (no torchrun): flags and the run directory are checked before torchrun's
+    variables are even looked at."""
+    return subprocess.run([PY, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+# ---------------------------------------------------------------------------------------------
+# flags
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--timeout-s", "0"], "--timeout-s"),
+    (["--redundant", "-100"], "--redundant"),
+    (["--env", "nope"], "--env"),
+    (["--batch-groups", "1", "--group-size", "1"], "--group-size"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--suspend-mode", "later"], "--suspend-mode"),
+    (["--resume", "--overwrite"], "--overwrite"),
+    (["--check-sync-every", "-1"], "--check-sync-every"),
+])
+def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, names):
+    r = train_py("--out-dir", str(tmp_path / "out"), *args)
+    assert r.returncode != 0 and names in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()             # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory: resume, overwrite
+
+
+def fake_run_dir(tmp_path, step=10, rows=12, train_gpus=1, model="") -> Path:
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    config = {"train_gpus": train_gpus, "model": model}
+    (out / "checkpoint" / "state.json").write_text(json.dumps({"step": step, "version": step, "config": config}))
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, rows + 1)))
+    return out
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--resume to continue it, or --overwrite"),
+    (["--resume", "--train-gpus", "2", "--rollout-gpus", "1"], "trainer ranks"),
+    (["--resume", "--model", "/some/other/model"], "not the model this run started from"),
+    (["--resume", "--steps", "10"], "nothing to do"),
+])
+def test_run_dir_with_a_checkpoint_is_never_overwritten_by_accident(tmp_path, args, message):
+    out = fake_run_dir(tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    r = train_py("--out-dir", str(out), *args)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+    assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint" / "state.json").exists()
+
+
+def test_resume_with_no_checkpoint_and_unwritable_out_dir(tmp_path):
+    r = train_py("--out-dir", str(tmp_path / "empty"), "--resume")
+    assert r.returncode != 0 and "no checkpoint" in r.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    r = train_py("--out-dir", str(blocker / "sub"))
+    assert r.returncode != 0 and "--out-dir" in r.stderr and "cannot be written" in r.stderr
+
+
+def test_resume_trims_metrics_rows_past_the_checkpoint(tmp_path):
+    import train
+    out = fake_run_dir(tmp_path, step=10, rows=12)
+    state = train.check_run_dir(train.Config(out_dir=str(out), resume=True, steps=20))
+    assert state["step"] == 10
+    train.trim_metrics(str(out), state["step"])
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['EVIL_MARKER']}",))
+
+
+def test_optimizer_file_cannot_run_code_on_resume(tmp_path, monkeypatch, tiny_model_dir):
+    from trainer import TrainConfig, Trainer
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EVIL_MARKER", str(marker))
+    (tmp_path / "optimizer.rank0.pt").write_bytes(pickle.dumps({"state": _Evil()}))
+    tr = Trainer(str(tiny_model_dir), TrainConfig())
+    with pytest.raises(pickle.UnpicklingError):
+        tr.load_optimizer(tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("failure", ["enospc", "iostream"])
+def test_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch,
+                                                                                 tiny_model_dir, failure):
+    import shutil as shutil_mod
+
+    import trainer as trainer_mod
+    tr = trainer_mod.Trainer(str(tiny_model_dir), trainer_mod.TrainConfig())
+    tr.save_checkpoint(str(tmp_path), {"step": 1, "version": 1}, str(tiny_model_dir))    # a good one first
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **kw):
+        real_save(obj, path, *a, **kw)                  # a partial file is left behind, as on a real full disk
+        if failure == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 0: iostream error")
+    monkeypatch.setattr(trainer_mod.torch, "save", full_disk)
+    if failure == "iostream":       # the message must come from the disk's state, not from the exception text
+        usage = shutil_mod.disk_usage(tmp_path)
+        monkeypatch.setattr(trainer_mod.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(OSError, match="No space left on device"):
+        tr.save_checkpoint(str(tmp_path), {"step": 2, "version": 2}, str(tiny_model_dir))
+    assert not (tmp_path / "checkpoint.tmp").exists()
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the queue server
+
+
+SERVE = """
+import sys, time
+sys.path.insert(0, {root!r})
+from buffer import ManagerQueues
+q = ManagerQueues.serve("127.0.0.1", {port}, b"k", 1)
+print("serving", flush=True)
+time.sleep(600)
+"""
+
+
+def test_queue_server_dies_with_its_parent_even_on_sigkill():
+    import psutil
+    port = free_port()
+    p = subprocess.Popen([PY, "-c", SERVE.format(root=str(ROOT), port=port)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "serving"
+    children = psutil.Process(p.pid).children(recursive=True)
+    assert children, "the manager's server process"
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    ManagerQueues.serve("127.0.0.1", port, b"k2", 1).shutdown()       # the port is free again
+
+
+def test_port_in_use_is_reported_as_such():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"port 127.0.0.1:{port} is in use"):
+            ManagerQueues.serve("127.0.0.1", port, b"k", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# a run that cannot form a batch says why, within the timeout
+
+
+def sample(gid, i, reward=1.0, failed=False, error=""):
+    return Sample(f"{gid}.{i}", gid, [1], [2], [-1.0], [1], [0], reward, failed=failed,
+                  meta={"error": error, "retrying": True})
+
+
+@pytest.mark.parametrize("kind", ["filtered", "failed", "silent"])
+def test_a_step_that_cannot_complete_fails_with_the_reason(kind):
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "trainer rank 0", timeout_s=0.5)
+        ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, timeout_s=0.5), buf, iter(lambda: None, 1), 1)
+        ctrl.problems = iter(lambda: None, 1)
+
+        async def feed():                      # samples keep arriving, none makes a usable group
+            for g in range(10**6):
+                if kind == "silent":
+                    return
+                for i in range(2):
+                    s = sample(f"x{g}", i, failed=kind == "failed", error="env 'single-turn' reset raised boom")
+                    await buf.put_sample(s)
+                await asyncio.sleep(0.01)
+        f = asyncio.create_task(feed())
+        t = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            await ctrl.collect()
+        f.cancel()
+        return str(e.value), time.monotonic() - t
+    msg, elapsed = asyncio.run(main())
+    assert "no new group became ready for 0s" in msg or "no new group became ready" in msg
+    assert elapsed < 2.0
+    if kind == "filtered":
+        assert "groups filtered" in msg and "rewards [1.0, 1.0]" in msg
+    elif kind == "failed":
+        assert "reset raised boom" in msg
+    else:
+        assert "nothing arrived" in msg
