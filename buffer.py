@@ -123,15 +123,25 @@ class Ack:
 # transports
 
 
-def die_with_parent(sig: int = signal.SIGKILL):
-    """Linux: ask the kernel to send `sig` to this process when its parent dies (prctl
-    PR_SET_PDEATHSIG), so a helper process never outlives the process that started it, even when
-    that one is SIGKILLed. (Precisely: when the parent *thread* that started it ends; start helpers
-    from a thread that lives as long as its process.)"""
+def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
+    """Make this process end when its parent dies, even when the parent is SIGKILLed.
+    watch=False: the kernel sends `sig` (Linux prctl PR_SET_PDEATHSIG). It fires when the parent
+    *thread* that started this process ends, so use it only for processes started from a parent's
+    main thread (the queue server, torchrun's ranks).
+    watch=True: a daemon thread polls the parent every second and exits this process when it is
+    gone (any thread may have started it: vLLM's engine processes)."""
+    ppid = os.getppid()
+    if watch:
+        def watcher():
+            while os.getppid() == ppid:
+                time.sleep(1.0)
+            os._exit(1)
+        import threading
+        threading.Thread(target=watcher, name="die-with-parent", daemon=True).start()
+        return
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    ppid = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))    # 1 = PR_SET_PDEATHSIG
     if os.getppid() != ppid:                                 # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
@@ -398,8 +408,9 @@ class GroupAssembler:
         if s.failed:
             self.samples_failed += 1
             self.last_failed = s
-            if not s.meta.get("retrying", True) and s.group_id not in self.closed:
-                # the rollout side gave up on this sample: its group can never complete
+            if not s.meta.get("retrying", True) and s.group_id not in self.closed | self.dead:
+                # the rollout side gave up on this sample: its group can never complete (counted
+                # once: a group already lost, say as stale, is not lost again)
                 dropped = self.pending.pop(s.group_id, [])
                 self.dead.add(s.group_id)
                 self.samples_failed += len(dropped)

@@ -42,6 +42,7 @@ A wait that times out names the ranks that did not ack and the phase.
 """
 
 import asyncio
+import collections
 import itertools
 import random
 from dataclasses import dataclass
@@ -96,9 +97,14 @@ class AsyncController:
         self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_equal)
         self.groups_admitted = 0
         self.groups_taken = 0
-        self.admitted_by_group: dict[str, int] = {}
+        self.groups_drawn = 0                  # problems taken from the stream (the data position)
+        self.problem_of: dict[str, Problem] = {}   # unresolved groups' problems (a lost one is re-admitted)
+        self.readmit: collections.deque[Problem] = collections.deque()   # problems whose group died with an engine
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
+        self.failed_received = 0               # failed samples received (every env failure a rank reported)
+        self.samples_unconsumed = 0            # samples still queued at stop (counted, never trained)
+        self.trained_groups: set[str] = set()  # groups handed to the trainer: a group is never trained twice
         self.acks: list[Ack] = []              # acks received but not yet waited for
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
@@ -118,7 +124,11 @@ class AsyncController:
         n = max(0, self.admission_capacity())
         tasks = []
         for _ in range(n):
-            problem: Problem = next(self.problems)
+            if self.readmit:
+                problem = self.readmit.popleft()
+            else:
+                problem = next(self.problems)
+                self.groups_drawn += 1
             gid = f"g{next(self._gid)}"
             tasks_per_group = self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
             if self.cfg.replicate:
@@ -126,7 +136,7 @@ class AsyncController:
                           for j in range(tasks_per_group)]
             else:
                 tasks.append(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version, self.cfg.env))
-            self.admitted_by_group[gid] = self.version
+            self.problem_of[gid] = problem
         if tasks:
             await self.buffer.put_tasks(tasks)     # one round trip for the whole round
         self.groups_admitted += n
@@ -154,11 +164,18 @@ class AsyncController:
                 s = await self.buffer.get_sample(timeout=cfg.timeout_s - waited)
             except TimeoutError:
                 raise TimeoutError(self._stall_report(before)) from None
-            closed_before = len(asm.closed)
+            closed_before, alive_before = len(asm.closed), s.group_id not in asm.dead
             asm.add(s, self.version)
+            self.failed_received += s.failed
             if not s.failed:
                 self.step_rewards.append(s.reward)
-            if cfg.env and cfg.env_redundancy and len(asm.closed) > closed_before:
+            if alive_before and s.group_id in asm.dead:
+                await self._abort_groups([s.group_id])   # lost (given up, or stale): stop its other samples
+                if s.meta.get("engine_lost") and s.group_id in self.problem_of:
+                    self.readmit.append(self.problem_of[s.group_id])   # not the prompt's fault: run it again
+            if s.group_id in asm.dead or s.group_id in asm.closed:
+                self.problem_of.pop(s.group_id, None)
+            elif cfg.env and cfg.env_redundancy and len(asm.closed) > closed_before:
                 await self._abort_groups([s.group_id])   # redundant env rollout: the rest is surplus
             # lost groups free admission capacity: queue mode refills at once; batch mode only
             # starts another round once the whole round is in (its barrier)
@@ -167,6 +184,9 @@ class AsyncController:
         groups = asm.take(cfg.batch_groups, self.version)
         self.groups_taken += len(groups)
         batch = [s for g in groups for s in g]
+        seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
+        duplicate = len(batch) - len(seen) + sum(len(g) for g in groups if g[0].group_id in self.trained_groups)
+        self.trained_groups |= {g[0].group_id for g in groups}
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
             "time_wait_rollout": now() - t0,
@@ -177,6 +197,7 @@ class AsyncController:
             "groups_filtered": asm.groups_filtered - before["filtered"],
             "samples_failed": asm.samples_failed - before["failed"],
             "samples_surplus": asm.samples_surplus - before["surplus"],
+            "samples_duplicate": duplicate,
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
         }
@@ -228,6 +249,8 @@ class AsyncController:
         self.in_flight = (new_version, probe_ref)
         # groups that can no longer be fresh: drop them here and stop their running samples
         dropped = self.asm.evict_stale(self.version)
+        for gid in dropped:
+            self.problem_of.pop(gid, None)
         if dropped:
             await self._abort_groups(dropped)
         return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
@@ -288,11 +311,24 @@ class AsyncController:
                            "rollout_utilisation": self._utilisation(acks)}
         return self.unreported
 
+    def counters(self) -> dict:
+        """The controller's side of the run's bookkeeping (rollout_stats.json)."""
+        asm = self.asm
+        return {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
+                "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
+                "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
+                "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed}
+
     async def stop(self) -> list[dict]:
         """Tell every rollout rank to stop, and wait until each has; returns their counters."""
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.STOP))
-        return [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
+        stats = [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
+        # a rank sends its last samples before its STOPPED ack: count what nobody will train on
+        while (s := self.buffer.get_sample_nowait()) is not None:
+            self.failed_received += s.failed
+            self.samples_unconsumed += 1
+        return stats
 
 
 def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:

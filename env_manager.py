@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
 from config import flag
 from envs import ENVS
-from proxy import Sampling, Status, now
+from proxy import EngineError, Sampling, Status, now
 
 
 @dataclass
@@ -250,7 +250,8 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
 
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, receive_weights=None,
-                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None):
+                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None,
+                 restart_engine=None):
         self.proxy = proxy
         self.buffer = buffer
         self.tok = tokenizer
@@ -260,6 +261,10 @@ class EnvManager:
         self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
         self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
+        self.restart_engine = restart_engine    # async () -> a new engine backend; None: an engine failure ends run()
+        self.weights: list | None = None        # the last weights received (reloaded into a restarted engine)
+        self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
+        self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
         self.pool = ProcessPoolExecutor(cfg.reward_workers) if cfg.reward_workers > 0 else None
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
@@ -270,7 +275,8 @@ class EnvManager:
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
-                             aborted_stale=0, aborted_by_request=0, aborted_at_stop=0, env_timeouts=0)
+                             aborted_stale=0, aborted_by_request=0, aborted_at_stop=0, env_timeouts=0,
+                             engine_restarts=0, samples_lost_to_engine=0)
 
     def stats(self) -> dict:
         return {**self.counters, "in_flight": self.slots_used, "proxy": self.proxy.stats()}
@@ -297,6 +303,8 @@ class EnvManager:
         while True:
             if self.error is not None:
                 raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
+            if self.engine_failure is not None:
+                await self._recover(self.engine_failure)
             await self._flush()
             cmd = self.buffer.get_command_nowait(self.rank)
             if cmd is not None:
@@ -336,11 +344,14 @@ class EnvManager:
     async def _sync(self, cmd: Command):
         """The rollout side of a weight update (module docstring); the controller waits for its ack."""
         v, t0 = cmd.version, now()
-        named = await self.receive_weights(cmd) if self.receive_weights is not None else []
+        self.weights = await self.receive_weights(cmd) if self.receive_weights is not None else []
         t1 = now()
-        await self.proxy.suspend(self.cfg.suspend_mode)
-        await self.proxy.update_weights(named, v)
-        await self.proxy.resume()
+        try:
+            await self.proxy.suspend(self.cfg.suspend_mode)
+            await self.proxy.update_weights(self.weights, v)
+            await self.proxy.resume()
+        except EngineError as e:   # the engine died under the update: a new one gets these weights
+            await self._recover(e, version=v)
         t2 = now()
         stale = [tid for tid in self.jobs if not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]
         await self._abort(stale, "aborted_stale")
@@ -381,10 +392,38 @@ class EnvManager:
         self.slots_used -= t.num_samples
         self.jobs.pop(t.task_id, None)
         self.trajs.pop(t.task_id, None)
-        if not job.cancelled() and isinstance(job.exception(), Exception) \
-                and not isinstance(job.exception(), Aborted) and self.error is None:
-            self.error = job.exception()
+        exc = None if job.cancelled() else job.exception()
+        if isinstance(exc, EngineError) and self.restart_engine is not None:
+            self.lost.append(t)               # the engine died under it: recovered by the control loop
+            self.engine_failure = self.engine_failure or exc
+        elif isinstance(exc, Exception) and not isinstance(exc, Aborted) and self.error is None:
+            self.error = exc
         self.wake.set()
+
+    async def _recover(self, failure: EngineError, version: int | None = None):
+        """The engine died or hung (failure): every trajectory in flight is lost. Report each lost
+        sample as given up (its group is lost; the controller re-admits the prompt), start a new
+        engine, load the last weights received, resume. With no restart_engine, the failure ends run()."""
+        if self.restart_engine is None:
+            raise failure
+        jobs = list(self.jobs.values())
+        for t, job in jobs:
+            job.cancel()
+        await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s) if jobs else None
+        for t in self.lost + [t for t, _ in jobs]:
+            for i in range(t.num_samples):
+                self.counters["samples_lost_to_engine"] += 1
+                self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
+                                  rank=self.rank, admit_version=t.admit_version, failed=True,
+                                  meta={"error": f"engine lost: {failure}", "retrying": False, "engine_lost": True,
+                                        "sample_index": i, "timeout": False}))
+        self.lost, self.engine_failure = [], None
+        await self._flush()
+        self.proxy.replace_engine(await self.restart_engine())
+        self.counters["engine_restarts"] += 1
+        if self.weights is not None:    # else it started from the model dir: the weights it already had
+            await self.proxy.update_weights(self.weights, self.proxy.version if version is None else version)
+        await self.proxy.resume()
 
     def _oldest_version(self, task_id: str) -> int:
         trajs = self.trajs.get(task_id, {})

@@ -258,7 +258,7 @@ class LLMProxy:
         self._busy_since: float | None = None
 
     @classmethod
-    async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0, **engine_kwargs):
+    async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0, **engine_kwargs) -> "LLMProxy":
         engine = await asyncio.wait_for(asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs),
                                         timeout=max(timeout_s, 300))
         return cls(engine, rank=rank, timeout_s=timeout_s)
@@ -289,11 +289,16 @@ class LLMProxy:
             raise EngineError(f"rollout rank {self.rank}: {phase} called after shutdown")
 
     async def _call(self, phase: str, coro, timeout: float | None = None):
+        """An engine call under a timeout; any failure of the engine becomes EngineError."""
         try:
             return await asyncio.wait_for(coro, timeout or self.timeout_s)
         except asyncio.TimeoutError:
             raise EngineError(f"rollout rank {self.rank}: engine did not answer within "
                               f"{timeout or self.timeout_s:.0f}s during {phase}") from None
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
+            raise EngineError(f"rollout rank {self.rank}: engine failed during {phase}: {e!r}") from e
 
     # --- generation
     async def generate(self, prompt_token_ids: list[int], sampling: Sampling,
@@ -306,7 +311,7 @@ class LLMProxy:
         t0 = now()
         if self.num_in_flight == 0:
             self._last_progress = t0          # idle time is not silence
-        if self._watchdog_task is None:
+        if self._watchdog_task is None or self._watchdog_task.done():   # (it ends after reporting a failure)
             self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
         me = asyncio.current_task()
         self._consumers.add(me)
@@ -353,6 +358,10 @@ class LLMProxy:
                 self.num_tokens += len(token_ids)
                 if reason is not None:
                     return reason
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
+            raise EngineError(f"rollout rank {self.rank}: engine failed during generate: {e!r}") from e
         finally:
             try:  # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
                 await asyncio.wait_for(stream.aclose(), 5.0)
@@ -417,6 +426,21 @@ class LLMProxy:
         """The engine's logprobs of a fixed probe sequence (to check that weights arrived)."""
         self._check_running("score")
         return await self._call("score", self.engine.score(list(token_ids)))
+
+    def replace_engine(self, engine):
+        """After an engine failure: carry on with a new backend. The old one is shut down and its
+        requests are gone; version and counters are kept. The proxy is left suspended: the caller
+        loads the current weights (update_weights), then resume()s."""
+        old, self.engine = self.engine, engine
+        try:
+            old.shutdown()
+        except Exception:         # it is dead already; shutting it down is best effort
+            pass
+        self._failure = None
+        self._engine_ids.clear()
+        self._resumed.clear()
+        self.status = Status.SUSPENDED
+        self._account()
 
     def shutdown(self):
         if self.status != Status.STOPPED:

@@ -22,6 +22,7 @@ admission. --async-ratio 0 is the synchronous baseline in the same code.
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -39,6 +40,13 @@ from config import opt, parse_cli, sub_config
 from controller import ControllerConfig
 from env_manager import RolloutConfig
 from trainer import TrainConfig
+
+if __name__ == "__mp_main__":
+    # This file, re-imported in a process that multiprocessing spawned from a rank: vLLM's engine core
+    # (spawned by a rollout rank) and its worker (spawned by the engine core). Such a process must
+    # end with its parent, however the parent ends (SIGKILL included), or it keeps its core busy.
+    from buffer import die_with_parent
+    die_with_parent(watch=True)
 
 
 @dataclass
@@ -63,6 +71,13 @@ class Config:
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
     max_tokens: int = opt(8, "response tokens per model turn")
     max_concurrency: int = opt(64, "trajectories in flight per rollout rank")
+    env_redundancy: int = opt(0, "multi-turn: extra trajectories per group; the first group-size to finish are kept")
+    env_step_timeout_s: float = opt(30.0, "an env reset/step (or reward) slower than this fails the trajectory")
+    max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
+    reward_workers: int = opt(0, "single-turn rewards in a process pool of this size; 0 = on the event loop")
+    env_fail_rate: float = opt(0.0, "testing: inject env failures, the chance an env call raises")
+    env_hang_rate: float = opt(0.0, "testing: inject env hangs, the chance an env call never returns")
+    env_latency_s: float = opt(0.0, "testing: inject env latency, normal(mean=this, std=this) per call, seconds")
     micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
@@ -77,6 +92,11 @@ class Config:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if not (0 <= self.env_fail_rate and 0 <= self.env_hang_rate and self.env_fail_rate + self.env_hang_rate <= 1):
+            raise ValueError(f"--env-fail-rate {self.env_fail_rate} and --env-hang-rate {self.env_hang_rate}: "
+                             f"need rates >= 0 that sum to <= 1")
+        if self.env_latency_s < 0:
+            raise ValueError(f"--env-latency-s must be >= 0, got {self.env_latency_s}")
         if self.save_every < 0 or self.check_sync_every < 0:
             raise ValueError(f"--save-every and --check-sync-every must be >= 0, got {self.save_every}, "
                              f"{self.check_sync_every}")
@@ -298,11 +318,14 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
                 # data position = problems drawn so far: groups admitted but not yet trained are skipped on resume
                 ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
-                            "data_position": data_pos + ctrl.groups_admitted})
+                            "data_position": data_pos + ctrl.groups_drawn})
         last = await ctrl.finish_sync()                                        # the last sync's acks
         if last.get("sync_probe_max_diff") is not None:
             print0(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}")
-        await ctrl.stop()
+        ranks_stats = await ctrl.stop()
+        stats = {"controller": ctrl.counters(), "rollout_ranks": [{k: v for k, v in r.items() if k != "proxy"}
+                                                                    for r in ranks_stats]}
+        (Path(cfg.out_dir) / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
 
     try:
         asyncio.run(main())
@@ -315,10 +338,26 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 # rollout ranks
 
 
+def injected_faults(cfg: Config, index: int):
+    """--env-latency-s / --env-fail-rate / --env-hang-rate: wrap every env (testing the failure paths)."""
+    if not (cfg.env_latency_s or cfg.env_fail_rate or cfg.env_hang_rate):
+        return None
+    import random
+
+    from envs import FaultyEnv, LatencyEnv
+    rng = random.Random(cfg.seed * 1000 + index)
+
+    def wrap(env):
+        if cfg.env_latency_s:
+            env = LatencyEnv(env, cfg.env_latency_s, cfg.env_latency_s, rng)
+        return FaultyEnv(env, cfg.env_fail_rate, cfg.env_hang_rate, rng) if cfg.env_fail_rate or cfg.env_hang_rate else env
+    return wrap
+
+
 def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager
-    from proxy import LLMProxy, Sampling
+    from proxy import LLMProxy, Sampling, VLLMEngine
     from trainer import receive_weights
     from transformers import AutoTokenizer
 
@@ -332,16 +371,24 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     async def receive(cmd):   # the weight transport: trainer rank 0's broadcast over the sync group
         return await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
 
+    # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
+    cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
+    start_engine = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=cores,
+                                     max_num_seqs=cfg.max_concurrency)
+
+    async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
+        print(f"{who}: the engine failed; starting a new one", flush=True)
+        return await asyncio.to_thread(start_engine)
+
     async def main():
-        # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
-        cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
-        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.timeout_s, seed=cfg.seed + index,
-                                          cpu_cores=cores, max_num_seqs=cfg.max_concurrency)
+        engine = await asyncio.wait_for(asyncio.to_thread(start_engine), max(cfg.timeout_s, 300))
+        proxy = LLMProxy(engine, rank=index, timeout_s=cfg.timeout_s)
         proxy.version = state["version"] if state else 0
         try:
             await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
             await EnvManager(proxy, buffer, tokenizer, index, cfg.rollout_config(), receive_weights=receive,
-                             probe_ids=probe).run()
+                             probe_ids=probe, env_wrappers=injected_faults(cfg, index),
+                             restart_engine=restart_engine).run()
         finally:
             proxy.shutdown()
 
@@ -397,6 +444,8 @@ def trim_metrics(out_dir: str, step: int):
 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
+    from buffer import die_with_parent
+    die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg)
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))

@@ -2,8 +2,10 @@
 
 import asyncio
 import itertools
+import random
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from buffer import Ack, Cmd, LocalQueues, Phase, SampleBuffer
 from controller import AsyncController, ControllerConfig, problem_stream
@@ -91,4 +93,79 @@ def test_previous_sync_is_reported_by_the_next():
         assert second["synced_version"] == 1 and second["sync_probe_max_diff"] == 0.75
         assert second["rollout_utilisation"] == pytest.approx(0.5)          # 2 busy of 4 engine-seconds
         assert (second["time_receive"], second["time_engine_load"]) == (0.1, 0.3)
+    asyncio.run(main())
+
+
+def test_a_group_lost_twice_is_counted_once_and_its_running_samples_are_aborted():
+    """A group dropped as stale whose straggler is then given up on must free one place, not two
+    (else admission overshoots its bound); and when a sample is given up on, the rollout ranks are
+    told to stop the group's other samples."""
+    from buffer import Sample
+    async def main():
+        c = controller(async_ratio=0, batch_groups=1, group_size=2)
+        await c.admit()
+        c.buffer.t.get_many_nowait("tasks", 100)
+        stale = Sample("g0.0", "g0", [1], [2], [-1.0], [1], [-5], 1.0)       # a token from long ago: stale
+        c.asm.add(stale, c.version)
+        gave_up = Sample("g0.1", "g0", [1], [], [], [], [], 0.0, failed=True, meta={"retrying": False})
+        c.asm.add(gave_up, c.version)
+        assert c.asm.groups_dropped_stale + c.asm.groups_failed == 1
+        # a live group given up on, through collect(): its siblings are aborted on every rank
+        c2 = controller(async_ratio=1, batch_groups=1, group_size=3, timeout_s=0.3)
+        await c2.admit()
+        await c2.buffer.put_sample(Sample("g0.0", "g0", [1], [], [], [], [], 0.0, failed=True,
+                                          meta={"retrying": False, "error": "gave up"}))
+        with pytest.raises(TimeoutError):
+            await c2.collect()
+        return [c2.buffer.t.get_many_nowait("commands", 9, r) for r in (0, 1)]
+    sent = asyncio.run(main())
+    for cmds in sent:
+        assert [(m.kind, m.group_ids) for m in cmds] == [(Cmd.ABORT_GROUPS, ["g0"])]
+
+
+# one event of a run: ("good" | "failed" | "gave_up" | "stale", which open task) or ("step",)
+events = st.lists(st.one_of(st.tuples(st.sampled_from(["good", "failed", "gave_up", "stale"]), st.integers(0, 999)),
+                            st.tuples(st.just("step"))), max_size=150)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=events, async_ratio=st.integers(0, 2), redundant=st.integers(0, 2))
+def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio, redundant):
+    """Whatever happens to samples (rewarded, failed and retried, given up, stale) and whenever the
+    trainer steps, the groups admitted and neither trained nor lost never exceed (alpha + 1) * B + R.
+    Lost is counted from the assembler's sets (a group counts once however it was lost)."""
+    from buffer import Sample
+    B, G = 2, 2
+
+    async def main():
+        c = controller(async_ratio=async_ratio, redundant=redundant, batch_groups=B, group_size=G)
+        open_tasks, admitted, taken, rng = [], set(), set(), random.Random(0)
+
+        def outstanding():
+            lost = c.asm.dead | (c.asm.closed - {g[0].group_id for g in c.asm.ready} - taken)
+            return len(admitted - taken - lost)
+        for ev in [("admit",)] + events:
+            await c.admit()
+            new = c.buffer.t.get_many_nowait("tasks", 10**6)
+            open_tasks += new
+            admitted |= {t.group_id for t in new}
+            assert outstanding() <= (async_ratio + 1) * B + redundant
+            if ev[0] == "admit":
+                continue
+            if ev[0] == "step":
+                if c.asm.num_ready() >= B:            # a training step: B groups taken, version + 1
+                    taken |= {g[0].group_id for g in c.asm.take(B, c.version)}
+                    c.groups_taken += B
+                    c.version += 1
+                    c.asm.evict_stale(c.version)
+                continue
+            if not open_tasks:
+                continue
+            t = open_tasks[ev[1] % len(open_tasks)]
+            kind = ev[0]
+            if kind != "failed":                      # a failed attempt is retried: the task stays open
+                open_tasks.remove(t)
+            versions = [c.version - async_ratio - 1] if kind == "stale" else [c.version]
+            c.asm.add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], versions, float(rng.random() < 0.5),
+                             failed=kind in ("failed", "gave_up"), meta={"retrying": kind == "failed"}), c.version)
     asyncio.run(main())

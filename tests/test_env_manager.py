@@ -546,3 +546,47 @@ def test_reward_workers_process_pool(tok):
         await stop_all(buf, [m], [run])
         return got
     assert asyncio.run(main()) == [("a", 1.0), ("b", 0.0)]
+
+
+def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(tok):
+    """The engine stops answering with work in flight: the proxy's watchdog notices within its
+    timeout, every in-flight sample is reported as given up (lost to the engine), a new engine is
+    started and loaded with the last weights received (at their version), and rollout goes on."""
+    import torch
+    weights = [("w", torch.ones(2))]
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        fresh_engines = []
+
+        async def restart_engine():
+            fresh_engines.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
+            return fresh_engines[-1]
+
+        async def receive_weights(cmd):
+            return weights
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
+                         length_sampler=lambda rng: 5)
+        m.restart_engine = restart_engine
+        run = asyncio.create_task(m.run())
+        await buf.send_command(0, Command(Cmd.SYNC, 3))
+        await acks_until(buf, Phase.SYNCED, 3)
+        for i in range(4):
+            await buf.put_task(add_task(f"t{i}", f"g{i}", target_len=1000))
+        await asyncio.sleep(5 * STEP)
+        old = m.proxy.engine
+        old.hang = True                                   # wedged: no more tokens, ever
+        t0 = now()
+        lost = [s for _, s in await collect(buf, 4, timeout=200)]
+        detected = now() - t0
+        await buf.put_task(add_task("after", "g9"))
+        [(_, after)] = await collect(buf, 1, timeout=200)
+        [stats] = await stop_all(buf, [m], [run])
+        return lost, detected, after, stats, fresh_engines, old
+    lost, detected, after, stats, fresh, old = run_virtual(main())
+    assert sorted(s.task_id for s in lost) == ["t0", "t1", "t2", "t3"]
+    assert all(s.failed and s.meta["engine_lost"] and not s.meta["retrying"] for s in lost)
+    assert detected <= 30.0 + 30.0 / 8 + 1                # within the proxy's timeout (+ one watchdog period)
+    assert len(fresh) == 1 and fresh[0].num_loads == 1     # the new engine got the last weights ...
+    assert not after.failed and set(after.versions) == {3}  # ... at their version, and serves new work
+    assert (stats["engine_restarts"], stats["samples_lost_to_engine"]) == (1, 4)

@@ -36,10 +36,10 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def torchrun(out_dir, *args) -> subprocess.Popen:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port_pair()), "train.py", "--rollout-gpus", "2", "--train-gpus", "1",
-           "--out-dir", str(out_dir), *SMALL, *args]
+def torchrun(out_dir, *args, rollout_gpus: int = 2) -> subprocess.Popen:
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
+           "--rollout-gpus", str(rollout_gpus), "--train-gpus", "1", "--out-dir", str(out_dir), *SMALL, *args]
     log = open(Path(out_dir).with_suffix(".log"), "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -130,3 +130,90 @@ def test_bad_flags_name_the_problem(tmp_path):
     for flag in ("--rollout-gpus", "--train-gpus", "--async-ratio", "--loss", "--steps", "--out-dir", "--model",
                  "--data", "--resume"):
         assert flag in h.stdout
+
+
+def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
+    """Env failures and hangs injected from the launch (FaultyEnv, LatencyEnv): the run finishes,
+    every failure a rollout rank reported reached the controller, hung calls timed out, and no
+    sample was trained twice."""
+    out = tmp_path / "faults"
+    r = finish(torchrun(out, "--steps", "4", "--async-ratio", "1", "--save-every", "0", "--env-fail-rate", "0.1",
+                        "--env-hang-rate", "0.05", "--env-step-timeout-s", "2", "--env-latency-s", "0.01"), out)
+    assert [x["step"] for x in r] == [1, 2, 3, 4]
+    assert all(x["num_samples"] == 16 and x["samples_duplicate"] == 0 for x in r)
+    stats = json.loads((out / "rollout_stats.json").read_text())
+    ranks, ctrl = stats["rollout_ranks"], stats["controller"]
+    failed = sum(rk["samples_failed"] for rk in ranks)
+    assert failed > 0 and ctrl["failed_samples_received"] == failed
+    assert sum(rk["env_timeouts"] for rk in ranks) > 0 and sum(rk["retries"] for rk in ranks) > 0
+    assert sum(x["samples_failed"] for x in r) > 0
+
+
+def job_tree(pid: int) -> dict:
+    """pid -> (role, process) for torchrun and everything under it."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.pid == pid:
+                role = "torchrun"
+            elif "EngineCore" in cmd:
+                role = "engine core"
+            elif "VLLM::Worker" in cmd or "VllmWorker" in cmd:
+                role = "engine worker"
+            elif "train.py" in cmd and p.ppid() == pid:
+                role = "trainer rank" if p.environ().get("RANK") == "0" else "rollout rank"
+            else:
+                role = "helper"           # queue server, resource tracker
+            out[p.pid] = (role, p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@pytest.mark.parametrize("victim", ["engine core", "engine worker", "rollout rank", "trainer rank", "torchrun"])
+def test_killed_process_leaves_nothing_behind(tmp_path, victim):
+    """SIGKILL one process of a running job. An engine (core or worker) is replaced and the run
+    finishes; any other death ends the job. Either way, no process of the job is left after it."""
+    import psutil
+    out = tmp_path / victim.replace(" ", "-")
+    p = torchrun(out, "--steps", "6", "--save-every", "0", "--async-ratio", "1", rollout_gpus=1)
+    deadline = time.monotonic() + 300
+    while len(rows(out)) < 2:
+        assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step in time"
+        time.sleep(0.5)
+    seen = job_tree(p.pid)
+    [target] = [proc for role, proc in seen.values() if role == victim]
+    target.kill()
+    try:
+        while p.poll() is None:                        # collect the job's processes until it ends
+            seen.update(job_tree(p.pid))
+            assert time.monotonic() < deadline + 300, "the job did not end"
+            time.sleep(0.5)
+    finally:
+        if p.poll() is None:
+            kill_tree(p.pid)
+    alive = [f"{role} {pid}" for pid, (role, proc) in seen.items() if proc.is_running()
+             and proc.status() != psutil.STATUS_ZOMBIE]
+    t = time.monotonic()
+    while alive and time.monotonic() - t < 15:         # the watchers poll their parent every second
+        time.sleep(0.5)
+        alive = [a for a in alive if psutil.pid_exists(int(a.split()[-1]))
+                 and psutil.Process(int(a.split()[-1])).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind after killing the {victim}: {alive}"
+    if victim.startswith("engine"):                    # contained: the run finished, the engine was replaced
+        assert p.returncode == 0, Path(out).with_suffix(".log").read_text()[-3000:]
+        r = rows(out)
+        assert [x["step"] for x in r] == list(range(1, 7))
+        stats = json.loads((out / "rollout_stats.json").read_text())
+        assert stats["rollout_ranks"][0]["engine_restarts"] == 1
+        assert all(x["sync_probe_max_diff"] < 1e-4 for x in r)   # the new engine holds the trainer's weights
+    else:
+        assert p.returncode != 0
