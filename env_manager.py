@@ -11,6 +11,14 @@ Two parts, one job each:
   RolloutTasks from the shared task queue while it has free slots, each into its own asyncio task
   (a task with num_samples n takes n slots).
 
+Rank-aware pulling (EnvManager._pull_tasks). A rank takes no more than its free slots, and, when
+there are other ranks, at most one task of a group per poll period: a second sample of the same
+group that it meets in the same period goes back on the shared queue for the other ranks, which
+all poll within that period. So a replicated group spreads over the engines that have room (at
+low load the first rank to poll no longer takes a whole group, which is what replication exists to
+prevent); when no other rank has room, this rank still takes the rest, one per group per period
+(a delay of at most poll_s per extra sample; 10 ms by default).
+
 Nothing waits for anything else: every trajectory is generated, rewarded and put on the sample queue
 the moment it ends (queue scheduling). The controller issues a group's samples as separate tasks, so
 they spread over every rank pulling from the queue (prompt replication). The one barrier is
@@ -71,6 +79,7 @@ Simplifications and deviations, on purpose:
 
 import asyncio
 import hashlib
+import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -243,12 +252,17 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
 
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, receive_weights=None,
-                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None):
+                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None,
+                 num_ranks: int | None = None):
         self.proxy = proxy
         self.buffer = buffer
         self.tok = tokenizer
         self.rank = rank
         self.cfg = cfg
+        # rollout ranks pulling from the same task queue; None: one per command queue of the transport
+        # (LocalQueues and ManagerQueues both hold one command queue per rank). 1 = pull greedily.
+        self.num_ranks = num_ranks if num_ranks is not None else len(getattr(buffer.t, "commands", [None]))
+        self.group_taken_at: dict[str, float] = {}   # group_id -> loop time this rank last started one of its tasks
         self.receive_weights = receive_weights  # async (Command) -> [(name, tensor)]: the transport; None: no tensors
         self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
@@ -292,7 +306,7 @@ class EnvManager:
                 if await self._handle(cmd):
                     return
                 continue
-            self._pull_tasks()
+            await self._pull_tasks()
             self.wake.clear()
             try:           # sleep one poll period, or less when a slot frees
                 await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
@@ -335,23 +349,40 @@ class EnvManager:
         probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe))
 
-    def _pull_tasks(self):
-        """Start tasks while there are free slots; never waits (the queue is polled)."""
-        while self.slots_used < self.cfg.max_concurrency:
-            t = self.held or self.buffer.get_task_nowait()
-            self.held = None
-            if t is None:
-                return
-            if t.group_id in self.aborted_groups:
-                self.counters["tasks_skipped"] += 1
-                continue
-            if t.num_samples > self.cfg.max_concurrency:
-                raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
-                                 f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
-            if self.slots_used + t.num_samples > self.cfg.max_concurrency:
-                self.held = t
-                return
-            self._start(t)
+    async def _pull_tasks(self):
+        """Start tasks while there are free slots, at most one per group per poll period when other
+        ranks pull too (module docstring). Looks at each task queued now at most once; the tasks it
+        passes over go back on the queue, in order. Never waits for a task (the queue is polled)."""
+        t_now = asyncio.get_running_loop().time()
+        if len(self.group_taken_at) > 4 * self.cfg.max_concurrency:   # forget groups older than a period
+            self.group_taken_at = {g: t for g, t in self.group_taken_at.items() if t_now - t < self.cfg.poll_s}
+        passed_over = []
+        budget = self.buffer.num_queued_tasks() + 1     # + the held task; tasks queued later wait for the next poll
+        try:
+            while self.slots_used < self.cfg.max_concurrency and budget > 0:
+                t = self.held or self.buffer.get_task_nowait()
+                self.held = None
+                budget -= 1
+                if t is None:
+                    return
+                if t.group_id in self.aborted_groups:
+                    self.counters["tasks_skipped"] += 1
+                    continue
+                if t.num_samples > self.cfg.max_concurrency:
+                    raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
+                                     f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
+                # (a period is poll_s less a float's rounding: the next timed poll comes exactly poll_s later)
+                if self.num_ranks > 1 and t_now - self.group_taken_at.get(t.group_id, -math.inf) < 0.999 * self.cfg.poll_s:
+                    passed_over.append(t)                # another rank with room takes it within a period
+                    continue
+                if self.slots_used + t.num_samples > self.cfg.max_concurrency:
+                    self.held = t
+                    return
+                self.group_taken_at[t.group_id] = t_now
+                self._start(t)
+        finally:
+            for t in passed_over:
+                await self.buffer.put_task(t)
 
     def _start(self, t: RolloutTask):
         self.slots_used += t.num_samples
