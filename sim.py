@@ -72,7 +72,7 @@ from config import sub_config
 from controller import AsyncController, ControllerConfig
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultyEnv, LatencyEnv
-from fake_engine import FakeTimedEngine, lognormal_lengths
+from fake_engine import FakeTimedEngine
 from proxy import LLMProxy
 from task import Problem
 
@@ -96,13 +96,21 @@ class SimConfig:
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
     # workload: RLVR on an 8B base model, 8k cap. The paper: the longest responses exceed the median by more
-    # than 20x; median 400 and sigma 1 put the cap at 20x the median, reached by ~5 of 4096 samples
-    len_median: float = 400         # response tokens per model turn, lognormal median
-    len_sigma: float = 1.0          # lognormal sigma (mean = 1.65x median before the cap)
+    # than 20x; median 400 and sigma 1 put the cap at 20x the median, reached by ~5 of 4096 samples.
+    # Per-prompt difficulty (see Workload): a prompt's quantile u ~ U(0, 1) sets its pass rate p = 1 - u and,
+    # with correlation len_rho, the median of its samples' lengths; the samples of one prompt vary around it.
+    len_median: float = 400         # response tokens per model turn, lognormal median over all prompts
+    len_sigma: float = 1.0          # lognormal sigma over all samples (mean = 1.65x median before the cap)
+    len_sigma_prompt: float = 0.7   # the part of len_sigma that is between prompts: sigma^2 = 0.7^2 + 0.71^2, half
+                                    # the log-length variance is the prompt's (assumed: hard prompts give long
+                                    # answers for the whole group; 0 = lengths drawn independently per sample)
+    len_rho: float = 0.7            # correlation of a prompt's log-length with its difficulty (assumed: failed
+                                    # attempts run longer); 1 = the hardest prompts are also the longest
     max_tokens: int = 8192          # cap per model turn (Sampling.max_tokens)
+    prompt_median: float = 256      # prompt tokens (problem + chat template), lognormal median per prompt
+    prompt_sigma: float = 0.5       # ... and sigma; capped at prompt_cap
+    prompt_cap: int = 2048
     turns: int = 1                  # model turns per trajectory (multi-turn env)
-    pass_a: float = 1.0             # group pass rate p ~ Beta(pass_a, pass_b); (1, 1) = uniform
-    pass_b: float = 1.0
     reward_s: float = 5.0           # verifier latency per sample, mean (s): sandbox / LLM-judge scale; with it the
                                     # reward phase is ~10% of a sync step (RollPacker: 5-13%), see `calibrate`
     reward_std_s: float = 1.5
@@ -111,11 +119,22 @@ class SimConfig:
     fail_rate: float = 0.0          # env call failure rate (envs.FaultyEnv), retried by the EnvManager
     lockstep: str = ""              # sync-env baseline: "engine" (each engine's trajectories advance turn by turn
                                     # together) or "batch" (all B*G trajectories do); "" = env-level async
-    # engine model: 8B bf16 decode on an 80 GB GPU at ~2 TB/s (16 GB of weights read per step; KV 0.15 MB/token)
-    t0: float = 0.020               # s per decode step at batch 0 (weights read + launch overhead)
-    k: float = 0.0001               # s per running sequence per step: its KV read, ~1k tokens of context (the
-                                    # time-weighted mean context of these lengths + prompt) at ~1.5 TB/s
-    max_num_seqs: int = 128         # concurrent sequences per engine (~50 GB of KV / 0.15 MB ~ 300k tokens)
+    # engine model (fake_engine.FakeTimedEngine): an 8B dense model in bf16 (Qwen3-8B: 8.2e9 parameters, 36
+    # layers, 8 KV heads of 128) on one 80 GB H800/H100 (3.35 TB/s HBM, 989 TFLOP/s bf16), one engine per GPU
+    t0: float = 0.010               # s per decode step at batch 0: 16.4 GB of weights at ~2 TB/s achieved (8.2 ms)
+                                    # + ~2 ms of scheduling, sampling and launch
+    k: float = 3e-5                 # s per running sequence per step: its matmuls, 2 x 8.2e9 FLOP per token at
+                                    # ~550 TFLOP/s achieved (grows the step by 4 ms at 128 sequences)
+    k_ctx: float = 1.0e-7           # s per context token of the running sequences per step: attention reads its KV,
+                                    # 2 (K, V) x 36 layers x 8 heads x 128 x 2 B = 147 kB per token, at ~1.5 TB/s
+    k_prefill: float = 3e-5         # s per prefilled token (prompt, or recompute after a preemption): compute-bound,
+                                    # the same 16.4 GFLOP per token as a decode token's matmuls
+    kv_tokens: int = 300_000        # KV-cache budget per engine, tokens: 80 GB x 0.8 gpu_memory_utilization (room
+                                    # for the trainer's offloaded states and NCCL buffers) - 16.4 GB weights - ~4 GB
+                                    # activations and CUDA graphs = 44 GB, / 147 kB per token
+    block_size: int = 16            # tokens per KV block (vLLM's default); rounded up to one chunk in the fake engine
+    max_num_seqs: int = 128         # sequences decoding at once per engine (vLLM max_num_seqs): memory binds first
+                                    # when their mean context passes kv_tokens / 128 = 2.3k tokens
     max_concurrency: int = 192      # trajectories in flight per engine (RolloutConfig): 1.5x max_num_seqs, since a
                                     # trajectory holds its slot while its verifier runs (~1/5 of its life here);
                                     # synchronous runs use an even share of the step's tasks instead, see even()
@@ -141,27 +160,68 @@ class SimConfig:
 
 
 class Tok:
-    """One token per character; the fake engine's random tokens decode to '' (no text needed)."""
+    """One token per character; the fake engine's random tokens decode to '' (no text needed). A prompt
+    "P<seed>:<n>" (SimEnv) encodes to n tokens, the first SEED_ID + seed, so the fake engine's length
+    hook knows which prompt it is generating for."""
     eos_token_id = 1
+    SEED_ID = 1000
+
+    @staticmethod
+    def prompt_text(seed: int, n: int) -> str:
+        return f"P{seed}:{n}"
 
     def encode(self, text, add_special_tokens=True):
+        if text.startswith("P") and ":" in text:
+            seed, n = text[1:].split(":")
+            return [self.SEED_ID + int(seed)] + [2] * (int(n) - 1)
         return [2 + ord(c) % 60 for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
         return ""
 
 
+class Workload:
+    """Per-prompt difficulty, drawn from the prompt's env seed (the same for every sample of a group,
+    on every rank): quantile u ~ U(0, 1); pass rate p = 1 - u (uniform over prompts, so dynamic
+    filtering drops E[p^G + (1-p)^G] of the groups: 22% at G = 8); the median of its response lengths
+    len_median * exp(len_sigma_prompt * z), z = len_rho * Phi^-1(u) + sqrt(1 - len_rho^2) * e, e ~ N(0, 1);
+    each sample's length lognormal around it with sigma sqrt(len_sigma^2 - len_sigma_prompt^2), so over
+    all samples lengths are lognormal(len_median, len_sigma) as before; a prompt length of its own.
+    Lengths are in fake-engine tokens (chunks)."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.sigma_within = math.sqrt(max(0.0, cfg.len_sigma ** 2 - cfg.len_sigma_prompt ** 2))
+        self.cap = max(1, cfg.max_tokens // cfg.chunk)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def prompt(self, seed: int) -> tuple[float, float, int]:
+        """(pass rate, log of the median response length in chunks, prompt length in chunks)."""
+        c, rng = self.cfg, random.Random(seed)
+        u = min(max(rng.random(), 1e-9), 1 - 1e-9)
+        z = c.len_rho * statistics.NormalDist().inv_cdf(u) + math.sqrt(1 - c.len_rho ** 2) * rng.gauss(0, 1)
+        plen = min(c.prompt_cap, rng.lognormvariate(math.log(c.prompt_median), c.prompt_sigma))
+        return 1 - u, math.log(c.len_median / c.chunk) + c.len_sigma_prompt * z, max(1, round(plen / c.chunk))
+
+    def length(self, seed: int, rng: random.Random) -> int:
+        return max(1, min(self.cap, int(rng.lognormvariate(self.prompt(seed)[1], self.sigma_within))))
+
+    def length_of_prompt(self, prompt_ids, rng: random.Random) -> int:
+        """The fake engine's hook: the prompt's first token carries its seed (Tok.prompt_ids)."""
+        return self.length(prompt_ids[0] - Tok.SEED_ID, rng)
+
+
 class SimEnv:
     """Times and rewards the env the EnvManager built: `turns` turns, one-token observations,
-    reward ~ Bernoulli(p) at the end after the verifier latency, p ~ Beta per group (env seed)."""
+    reward ~ Bernoulli(p) at the end after the verifier latency, p the prompt's pass rate (Workload)."""
 
-    def __init__(self, env, cfg: SimConfig, rng: random.Random):
-        self.env, self.cfg, self.rng, self.turn, self.p = env, cfg, rng, 0, 0.0
+    def __init__(self, env, cfg: SimConfig, rng: random.Random, workload: Workload):
+        self.env, self.cfg, self.rng, self.turn, self.p, self.workload = env, cfg, rng, 0, 0.0, workload
 
     async def reset(self, seed):
         await self.env.reset(seed)
-        self.p = random.Random(seed).betavariate(self.cfg.pass_a, self.cfg.pass_b)
-        return "q"
+        self.p, _, plen = self.workload.prompt(seed)
+        return Tok.prompt_text(seed, plen)
 
     async def step(self, action):
         await self.env.step(action)         # the real env's step runs; its text and reward are replaced
@@ -191,8 +251,14 @@ class LockstepEnv:
         return out
 
 
-def length_sampler(cfg: SimConfig):
-    return lognormal_lengths(cfg.len_median / cfg.chunk, cfg.len_sigma, max(1, cfg.max_tokens // cfg.chunk))
+def sim_engine(cfg: SimConfig, workload: Workload, seed: int) -> FakeTimedEngine:
+    """One engine in fake tokens: a fake token is `chunk` real tokens, so one fake step is `chunk` decode
+    steps over `chunk` times the context, and the KV budget and block are counted in chunks."""
+    c = cfg.chunk
+    return FakeTimedEngine(t0=c * cfg.t0, k=c * cfg.k, k_ctx=c * c * cfg.k_ctx, k_prefill=c * cfg.k_prefill,
+                           kv_tokens=cfg.kv_tokens // c, block_size=max(1, cfg.block_size // c),
+                           max_num_seqs=cfg.max_num_seqs, length_of_prompt=workload.length_of_prompt,
+                           load_s=cfg.load_s, seed=seed)
 
 
 def train_time(cfg: SimConfig, tokens: float, gpus: int) -> float:
@@ -200,29 +266,50 @@ def train_time(cfg: SimConfig, tokens: float, gpus: int) -> float:
 
 
 def engine_tok_s(cfg: SimConfig) -> float:
-    """Tokens/s of one engine at full occupancy."""
-    n = cfg.max_num_seqs
-    return n / (cfg.t0 + cfg.k * n)
+    """Tokens/s of one engine kept full: max_num_seqs sequences (fewer when their KV does not fit
+    kv_tokens) at this workload's time-weighted mean context. Prefill is left out (a 256-token prompt
+    costs 8 ms once per sample, well under 1% of its decode time)."""
+    ctx = demand(cfg)[2]
+    n = min(cfg.max_num_seqs, cfg.kv_tokens / ctx)
+    return n / (cfg.t0 + cfg.k * n + cfg.k_ctx * n * ctx)
 
 
-def demand(cfg: SimConfig) -> tuple[float, float]:
-    """Expected tokens generated per step (filtered groups included) and tokens per trained sample."""
-    return _demand(cfg.len_median, cfg.len_sigma, cfg.max_tokens, cfg.chunk, cfg.turns, cfg.pass_a, cfg.pass_b,
-                   cfg.group_size if cfg.filter_equal else 0, cfg.batch_groups * cfg.group_size)
+def demand(cfg: SimConfig) -> tuple[float, float, float]:
+    """Expected tokens generated per step (filtered groups included), tokens per trained sample, and the
+    mean context of a running sequence (weighted by its time in the engine), all in real tokens."""
+    key = tuple(getattr(cfg, f) for f in ("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens",
+                                          "prompt_median", "prompt_sigma", "prompt_cap", "chunk", "turns"))
+    response, per_sample, ctx, ps = _demand(key)
+    g = cfg.group_size if cfg.filter_equal else 0
+    q = statistics.fmean(p ** g + (1 - p) ** g for p in ps) if g else 0.0
+    return cfg.batch_groups * cfg.group_size * response / (1 - q), per_sample, ctx
 
 
 @functools.lru_cache
-def _demand(median, sigma, cap, chunk, turns, pass_a, pass_b, filter_group, samples):
-    """Monte Carlo over the same distributions the run draws from (fixed seed)."""
-    rng, draw = random.Random(12345), lognormal_lengths(median / chunk, sigma, max(1, cap // chunk))
-    response = statistics.fmean(draw(rng) for _ in range(50_000)) * turns * chunk
-    ps = [rng.betavariate(pass_a, pass_b) for _ in range(50_000)]
-    q = statistics.fmean(p ** filter_group + (1 - p) ** filter_group for p in ps) if filter_group else 0.0
-    return samples * response / (1 - q), response + turns * chunk      # + prompt and observations
+def _demand(key: tuple):
+    """Monte Carlo over the run's own Workload (fixed seeds): mean response and sample tokens, mean
+    running context, pass rates."""
+    c = SimConfig(**dict(zip(("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens", "prompt_median",
+                              "prompt_sigma", "prompt_cap", "chunk", "turns"), key)))
+    w, rng = Workload(c), random.Random(12345)
+    resp = plen = life = weighted_ctx = 0.0
+    ps = []
+    for seed in range(20_000):
+        p, _, pl = w.prompt(seed + (1 << 40))
+        ps.append(p)
+        for _ in range(2):
+            n = sum(w.length(seed + (1 << 40), rng) for _ in range(c.turns))
+            resp += n
+            plen += pl
+            life += n
+            weighted_ctx += n * pl + n * n / 2         # the context grows from pl to pl + n over n steps
+    samples = 40_000
+    response = resp / samples * c.chunk
+    return response, response + (plen / samples + c.turns) * c.chunk, weighted_ctx / life * c.chunk, ps
 
 
 def ideal_steps_per_s(cfg: SimConfig, occupancy: float = 1.0) -> float:
-    gen_tokens, sample_tokens = demand(cfg)
+    gen_tokens, sample_tokens, _ = demand(cfg)
     rollout = occupancy * cfg.rollout_gpus * engine_tok_s(cfg) / gen_tokens
     train = 1 / train_time(cfg, cfg.batch_groups * cfg.group_size * sample_tokens, cfg.train_gpus)
     return min(rollout, train)
@@ -245,8 +332,10 @@ async def _simulate(cfg: SimConfig) -> dict:
     buffer = SampleBuffer(LocalQueues(R), "sim", cfg.timeout_s)
     ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, iter(lambda: Problem("q", ""), None), R)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
+    workload = Workload(cfg)
     rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,
-                      max_total_tokens=2 + cfg.turns * (turn_cap + 1), sync_timeout_s=cfg.timeout_s,
+                      max_total_tokens=2 + -(-cfg.prompt_cap // cfg.chunk) + cfg.turns * (turn_cap + 1),
+                      sync_timeout_s=cfg.timeout_s,
                       stop_timeout_s=cfg.timeout_s)
     weights = [("w", torch.zeros(1))]
 
@@ -257,14 +346,13 @@ async def _simulate(cfg: SimConfig) -> dict:
     batch_barrier = asyncio.Barrier(cfg.batch_groups * cfg.group_size) if cfg.lockstep == "batch" else None
     proxies, managers = [], []
     for r in range(R):
-        engine = FakeTimedEngine(t0=cfg.chunk * cfg.t0, k=cfg.chunk * cfg.k, max_num_seqs=cfg.max_num_seqs,
-                                 length_sampler=length_sampler(cfg), load_s=cfg.load_s, seed=cfg.seed * 10007 + r)
+        engine = sim_engine(cfg, workload, seed=cfg.seed * 10007 + r)
         proxy = LLMProxy(engine, rank=r, timeout_s=cfg.timeout_s)
         rng = random.Random(cfg.seed * 7919 + r)
         barrier = asyncio.Barrier(cfg.max_concurrency) if cfg.lockstep == "engine" else batch_barrier
 
         def wrap(env, rng=rng, barrier=barrier):
-            env = SimEnv(env, cfg, rng)
+            env = SimEnv(env, cfg, rng, workload)
             if cfg.env_mean_s or cfg.env_std_s:
                 env = LatencyEnv(env, cfg.env_mean_s, cfg.env_std_s, rng)
             if cfg.fail_rate:

@@ -72,7 +72,7 @@ def test_env_failures_are_retried_and_the_run_completes():
 
 def test_ideal_bound_is_the_slower_side():
     cfg = replace(TINY, rollout_gpus=64)            # plenty of engines: the trainer is the bottleneck
-    gen, per_sample = sim.demand(cfg)
+    gen, per_sample, _ = sim.demand(cfg)
     assert sim.ideal_steps_per_s(cfg) == pytest.approx(
         1 / sim.train_time(cfg, cfg.batch_groups * cfg.group_size * per_sample, cfg.train_gpus))
     assert sim.best_split(TINY, 40) in range(1, 40)
