@@ -19,14 +19,21 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
 - weight sync: the real protocol (controller.sync_weights, EnvManager._sync); its transport,
   receive_weights, sleeps broadcast_s, then the fake engine's load sleeps load_s and counts the load;
+- engines: fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
+  budget of kv_tokens (admission while the blocks fit, preemption + recompute when they run out),
+  step time t0 + k * running + k_ctx * context tokens + k_prefill * prefilled tokens; the
+  constants are derived for an 8B model at SimConfig, and sim_vs_real.py checks the same model
+  against real vLLM CPU engines;
+- workload (Workload): every prompt has a difficulty, drawn from its group's env seed, that sets
+  both its pass rate and the median of its samples' lengths (a hard prompt: low pass rate and long
+  answers for the whole group), and a prompt length of its own. The fake engine learns which prompt
+  it generates for from the prompt's first token (Tok). Over all samples the lengths stay
+  lognormal(len_median, len_sigma) capped at max_tokens, in whole chunks;
 - rewards: the fake engine emits random tokens, so no verifier can score them. SimEnv (wrapping
-  the env the EnvManager builds) draws each group's pass rate p ~ Beta from the group's env seed
-  and each sample's reward ~ Bernoulli(p), after a verifier latency (reward_s, overlapped with
-  generation as in ROLL Flash). Per-prompt pass rates make dynamic filtering drop
-  E[p^G + (1-p)^G] of the groups (22% at G = 8 with p uniform), roughly DAPO's filter rate;
-- lengths: every sample draws its own length from a lognormal(len_median, len_sigma) capped at
-  max_tokens (the fake engine's length_sampler), in whole chunks. Within-prompt length correlation
-  (hard prompts -> long answers for the whole group) is not modelled;
+  the env the EnvManager builds) gives each sample reward ~ Bernoulli(p), p its prompt's pass rate,
+  after a verifier latency (reward_s, overlapped with generation as in ROLL Flash). Per-prompt pass
+  rates make dynamic filtering drop E[p^G + (1-p)^G] of the groups (22% at G = 8 with p uniform),
+  roughly DAPO's filter rate;
 - multi-turn (envasync): SimEnv ends a trajectory after `turns` turns, one-token observations;
   envs.LatencyEnv adds normal(mean, std) latency to reset and every step. The sync-env baseline
   (LockstepEnv) puts an asyncio.Barrier over all trajectories of one engine before and after each
@@ -37,17 +44,19 @@ train (train_time(T = N)); split sync = R GPUs generate, T train, async ratio 0;
 ratio alpha. Synchronous runs spread a step's tasks evenly (max_concurrency = the even share, see
 even()); async runs let 1.5x max_num_seqs trajectories per engine be in flight, so the engine stays
 full while some trajectories wait for their verifier. The ideal pipeline bound of a split run is
-min(rollout capacity, train capacity): R engines at full occupancy (max_num_seqs / (t0 + k *
-max_num_seqs) tokens/s each) over the step's expected token demand (B*G*E[len] / (1 - filter
-rate), by Monte Carlo over the run's own distributions), and 1 / train_time(T). It ignores the
-weight sync and the freshness bound, so both show up as lost efficiency.
+min(rollout capacity, train capacity): R engines at full occupancy (engine_tok_s: max_num_seqs
+sequences, or fewer when their KV does not fit, at the workload's mean context) over the step's
+expected token demand (B*G*E[len] / (1 - filter rate), by Monte Carlo over the run's own Workload),
+and 1 / train_time(T). It ignores the weight sync and the freshness bound, so both show up as lost
+efficiency.
 
 Simplifications (all deliberate; each is documented at its constant):
-- time resolution: one fake-engine token stands for `chunk` = 64 real tokens (decode step chunk *
-  (t0 + k * running) s, ~2 s at full batch). This coarsens joins, lengths and suspends (a suspend
-  waits for the chunk in flight: ~2 s more per weight sync than vLLM's one decode step); it is what
-  makes ~10^3 samples per second of real time possible in Python;
-- no prefill cost, no KV-cache preemption: concurrency is capped by max_num_seqs;
+- time resolution: one fake-engine token stands for `chunk` = 64 real tokens (one fake step is chunk
+  decode steps, ~1.7 s at full batch). This coarsens joins, lengths, KV blocks (one block = one
+  chunk) and suspends (a suspend waits for the chunk in flight: ~1.7 s more per weight sync than
+  vLLM's one decode step); it is what makes ~10^3 samples per second of real time possible in Python;
+- the engines: no per-step token budget (a long prefill is one step), no prefix caching (each sample
+  prefills its prompt), recompute-only preemption (fake_engine.py);
 - the EnvManager polls every poll_s = 1 s of virtual time (the real one: 10 ms) so 128 managers
   don't spend the run polling; an idle manager picks up tasks and sync commands <= 1 s late;
 - the colocated baseline pays the same weight-sync time as a split run (no offload cost).
