@@ -38,17 +38,24 @@ MAX_NUM_SEQS = 64           # vLLM max_num_seqs of each engine, and the EnvManag
 
 
 def fit(rows: list[tuple[int, float, float]]) -> tuple[float, float, float]:
-    """(n, mean context, seconds per step) rows -> (t0, k, k_ctx) of t0 + k*n + k_ctx*n*context, least
-    squares. A context term below the noise (negative fit; the tiny model's contexts are < 128 tokens)
-    is dropped and (t0, k) refitted."""
+    """(n, mean context, seconds per step) rows -> (t0, k, k_ctx) >= 0 of t0 + k*n + k_ctx*n*context, least
+    squares over the non-negative fits of each subset of the terms (n and n*context are nearly collinear
+    at the tiny model's short contexts, so an unconstrained fit can trade one for a negative other)."""
+    import itertools
+
     import torch
     b = torch.tensor([[s] for _, _, s in rows], dtype=torch.float64)
     a = torch.tensor([[1.0, n, n * ctx] for n, ctx, _ in rows], dtype=torch.float64)
-    t0, k, k_ctx = torch.linalg.lstsq(a, b).solution.flatten().tolist()
-    if k_ctx < 0:
-        t0, k = torch.linalg.lstsq(a[:, :2], b).solution.flatten().tolist()
-        k_ctx = 0.0
-    return t0, k, k_ctx
+    best = None
+    for cols in ([0, *c] for r in range(3) for c in itertools.combinations([1, 2], r)):
+        x = torch.linalg.lstsq(a[:, cols], b).solution
+        err = float(((a[:, cols] @ x - b) ** 2).sum())
+        if (x >= 0).all() and (best is None or err < best[0]):
+            coef = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, x.flatten().tolist()):
+                coef[c] = v
+            best = (err, coef)
+    return tuple(best[1])
 
 
 async def closed_loop(proxy, n: int, plen: int, lengths: list[int], vocab: int) -> float:
@@ -81,8 +88,11 @@ async def calibrate(proxies, weights, vocab: int, args) -> dict:
             gen = bench.problems(args.seed + n + plen, args.median_len, 1.0, 124 - plen - 4)
             lengths = [next(gen).target_len for _ in range(CAL_REQUESTS * n)]
             ctx = plen + sum(x * x for x in lengths) / (2 * sum(lengths))   # time-weighted mean context
+            t, cpu = time.perf_counter(), time.process_time()
             steps = await asyncio.gather(*[closed_loop(p, n, plen, lengths, vocab) for p in proxies])
             rows += [(n, ctx, s) for s in steps]
+            if n == max(N_SWEEP):
+                front_cpu = (time.process_time() - cpu) / (time.perf_counter() - t)
 
     async def sync(proxy):
         await proxy.suspend("keep")
@@ -92,7 +102,7 @@ async def calibrate(proxies, weights, vocab: int, args) -> dict:
         return time.perf_counter() - t
     loads = [x for _ in range(3) for x in await asyncio.gather(*[sync(p) for p in proxies])]
     t0, k, k_ctx = fit(rows)
-    return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads),
+    return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads), "front_end_cores_at_64": front_cpu,
             "max_abs_residual_ms": 1e3 * max(abs(t0 + k * n + k_ctx * n * c - s) for n, c, s in rows)}
 
 
@@ -125,17 +135,19 @@ async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
         await asyncio.sleep(args.train_s)
         sync = await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
         if step == 0:
-            t_start, tokens0 = loop.time(), sum(p.num_tokens for p in proxies)
+            t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
         else:
             times.append(loop.time() - t)
             utils.append(sync["rollout_utilisation"])
             waits.append(info["time_wait_rollout"])
             syncs.append(sync["time_weight_sync"])
     tok_s = (sum(p.num_tokens for p in proxies) - tokens0) / (loop.time() - t_start)
+    front_cpu = (time.process_time() - cpu0) / (loop.time() - t_start)   # this process: controller, managers, proxies
     await ctrl.stop()
     await asyncio.wait_for(asyncio.gather(*runs), 60)
     return {"s_per_step": statistics.fmean(times), "utilisation": statistics.fmean(utils),
-            "rollout_wait_s": statistics.fmean(waits), "sync_s": statistics.fmean(syncs), "tokens_per_s": tok_s}
+            "rollout_wait_s": statistics.fmean(waits), "sync_s": statistics.fmean(syncs), "tokens_per_s": tok_s,
+            "front_end_cores": front_cpu}
 
 
 def run_sim(consts: dict, tokenizer, weights, args, alpha: int, kv_tokens: int) -> dict:
