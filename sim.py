@@ -149,10 +149,10 @@ class SimConfig:
                                     # synchronous runs use an even share of the step's tasks instead, see even()
     chunk: int = 64                 # real tokens per fake token (time resolution, see docstring)
     # trainer model
-    train_tok_s: float = 1500.0     # tokens/s per trainer GPU, calibrated so that a colocated sync step spends ~22%
-                                    # training (RollPacker), see `calibrate`. For 8B: fwd+bwd (6 x 8e9 FLOP/token)
-                                    # + old and ref logprob passes (4 x 8e9) = 80 GFLOP/token, i.e. 12% of a
-                                    # 989 TFLOP/s GPU: low, as RL trainers on padded long-tail batches often are
+    train_tok_s: float = 4400.0     # tokens/s per trainer GPU (prompt + response tokens), calibrated so that a
+                                    # colocated sync step spends ~22% training (RollPacker), see `calibrate`. For
+                                    # 8B: fwd+bwd (6 x 8.2e9 FLOP/token) + old and ref logprob passes (4 x 8.2e9)
+                                    # = 82 GFLOP/token, i.e. 36% of a 989 TFLOP/s GPU, a usual training MFU
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
     broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL (~50 GB/s IB) + bucketing
     load_s: float = 1.0             # engine weight load
