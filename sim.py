@@ -52,8 +52,8 @@ efficiency.
 
 Simplifications (all deliberate; each is documented at its constant):
 - time resolution: one fake-engine token stands for `chunk` = 64 real tokens (one fake step is chunk
-  decode steps, ~1.7 s at full batch). This coarsens joins, lengths, KV blocks (one block = one
-  chunk) and suspends (a suspend waits for the chunk in flight: ~1.7 s more per weight sync than
+  decode steps, ~1.8 s at full batch). This coarsens joins, lengths, KV blocks (one block = one
+  chunk) and suspends (a suspend waits for the chunk in flight: ~1.8 s more per weight sync than
   vLLM's one decode step); it is what makes ~10^3 samples per second of real time possible in Python;
 - the engines: no per-step token budget (a long prefill is one step), no prefix caching (each sample
   prefills its prompt), recompute-only preemption (fake_engine.py);
@@ -464,8 +464,9 @@ def colocated(cfg: SimConfig, gpus: int) -> SimConfig:
 
 def even(cfg: SimConfig, rollout_gpus: int) -> SimConfig:
     """A synchronous run's best max_concurrency: one step's tasks spread evenly over the engines.
-    EnvManager._pull_tasks takes up to max_concurrency tasks at once, so with a larger value the
-    ranks that poll first take a sync step's whole batch and the others idle."""
+    EnvManager._pull_tasks takes up to its free slots at once (one task per group per poll period), so
+    with a larger value the ranks that poll first take more than their share of a sync step's batch
+    and the others idle at its end."""
     tasks = (cfg.batch_groups + cfg.redundant) * (cfg.group_size + (cfg.env_redundancy if cfg.env else 0))
     share = min(cfg.max_concurrency, max(cfg.group_size, math.ceil(tasks / rollout_gpus)))
     return replace(cfg, rollout_gpus=rollout_gpus, max_concurrency=share)
