@@ -29,7 +29,7 @@ Simplifications, on purpose: no token budget per step (vLLM's max_num_batched_to
 prefill: a long prefill is one step here, not split over several); no prefix caching (every sample
 prefills its own prompt); preemption by recompute only (no swap). The constants' units are seconds
 and tokens of this engine; sim.py derives them for an 8B model on an 80 GB GPU, and
-`calibrate_to_vllm.py` measures them on a real vLLM CPU engine.
+sim_vs_real.py fits them to real vLLM CPU engines.
 """
 
 import asyncio
