@@ -13,9 +13,9 @@ import argparse
 import dataclasses
 
 
-def opt(default, help: str):
-    """A config field with its --help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def opt(default, help: str, **metadata):
+    """A config field with its --help text (metadata const=X: the flag alone means X)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 def sub_config(cls, src, **overrides):
@@ -38,6 +38,9 @@ def parse_cli(cls, argv=None, doc: str | None = None):
         help = f.metadata.get("help", "")
         if f.type in (bool, "bool"):
             ap.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        elif "const" in f.metadata:     # a flag that may stand alone: --resume means --resume yes
+            ap.add_argument(flag(f.name), nargs="?", const=f.metadata["const"], default=f.default,
+                            help=help + " (default: %(default)s)")
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
             ap.add_argument(flag(f.name), type=typ, default=f.default, help=help + " (default: %(default)s)")

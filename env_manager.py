@@ -11,6 +11,14 @@ Two parts, one job each:
   rank's commands (buffer.Cmd: SYNC, ABORT_GROUPS, STOP) and pulls RolloutTasks from the shared task
   queue into its free slots, each into its own asyncio task (a task with num_samples n takes n slots).
 
+Rank-aware pulling (EnvManager._pull_tasks). A rank takes no more than its free slots, and, when
+there are other ranks, at most one task of a group per poll period: a second sample of the same
+group that it meets in the same period goes back on the shared queue for the other ranks, which
+all poll within that period. So a replicated group spreads over the engines that have room (at
+low load the first rank to poll no longer takes a whole group, which is what replication exists to
+prevent); when no other rank has room, this rank still takes the rest, one per group per period
+(a delay of at most poll_s per extra sample; 10 ms by default).
+
 Nothing waits for anything else: every trajectory is generated, rewarded and sent on the sample
 queue the moment it ends (queue scheduling; "the moment" = the manager's next pass, which a
 finishing trajectory triggers at once). The controller issues a group's samples as separate tasks, so
@@ -77,6 +85,7 @@ Simplifications and deviations, on purpose:
 import asyncio
 import collections
 import hashlib
+import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -251,12 +260,16 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, receive_weights=None,
                  probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None,
-                 restart_engine=None):
+                 restart_engine=None, num_ranks: int | None = None):
         self.proxy = proxy
         self.buffer = buffer
         self.tok = tokenizer
         self.rank = rank
         self.cfg = cfg
+        # rollout ranks pulling from the same task queue; None: one per command queue of the transport
+        # (LocalQueues and ManagerQueues both hold one command queue per rank). 1 = pull greedily.
+        self.num_ranks = num_ranks if num_ranks is not None else len(getattr(buffer.t, "commands", [None]))
+        self.group_taken_at: dict[str, float] = {}   # group_id -> loop time this rank last started one of its tasks
         self.receive_weights = receive_weights  # async (Command) -> [(name, tensor)]: the transport; None: no tensors
         self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
@@ -311,7 +324,7 @@ class EnvManager:
                 if await self._handle(cmd):
                     return
                 continue
-            self._pull_tasks()
+            await self._pull_tasks()
             self.wake.clear()
             try:           # sleep one poll period, or less when a slot frees
                 await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
@@ -359,25 +372,48 @@ class EnvManager:
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
                                       timings={"receive_s": t1 - t0, "load_s": t2 - t1}))
 
-    def _pull_tasks(self):
-        """Start tasks while there are free slots; never waits (the queue is polled). One round trip
-        fetches up to as many tasks as there are free slots."""
-        while self.slots_used < self.cfg.max_concurrency:
-            if not self.held:
-                self.held.extend(self.buffer.get_tasks_nowait(self.cfg.max_concurrency - self.slots_used))
+    async def _pull_tasks(self):
+        """Start tasks while there are free slots, at most one task of a group per poll period when
+        other ranks pull too (module docstring). One round trip fetches up to as many tasks as there
+        are free slots; with other ranks it looks at each task queued now at most once, and the
+        tasks it passes over go back on the queue, in order, in one more round trip. Never waits for
+        a task (the queue is polled)."""
+        t_now = now()
+        spread = self.num_ranks > 1
+        if len(self.group_taken_at) > 4 * self.cfg.max_concurrency:   # forget groups older than a period
+            self.group_taken_at = {g: t for g, t in self.group_taken_at.items() if t_now - t < self.cfg.poll_s}
+        passed_over = []
+        budget = self.buffer.num_queued_tasks() if spread else None   # tasks queued later wait for the next poll
+        try:
+            while self.slots_used < self.cfg.max_concurrency:
                 if not self.held:
-                    return
-            t = self.held[0]
-            if t.group_id in self.aborted_groups:
-                self.held.popleft()
-                self.counters["tasks_skipped"] += 1
-                continue
-            if t.num_samples > self.cfg.max_concurrency:
-                raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
-                                 f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
-            if self.slots_used + t.num_samples > self.cfg.max_concurrency:
-                return             # held until enough slots free
-            self._start(self.held.popleft())
+                    want = self.cfg.max_concurrency - self.slots_used
+                    got = self.buffer.get_tasks_nowait(want if budget is None else min(want, budget))
+                    if not got:
+                        return
+                    if budget is not None:
+                        budget -= len(got)
+                    self.held.extend(got)
+                t = self.held[0]
+                if t.group_id in self.aborted_groups:
+                    self.held.popleft()
+                    self.counters["tasks_skipped"] += 1
+                    continue
+                if t.num_samples > self.cfg.max_concurrency:
+                    raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
+                                     f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
+                # (a period is poll_s less a float's rounding: the next timed poll comes exactly poll_s later)
+                if spread and t_now - self.group_taken_at.get(t.group_id, -math.inf) < 0.999 * self.cfg.poll_s:
+                    passed_over.append(self.held.popleft())   # another rank with room takes it within a period
+                    continue
+                if self.slots_used + t.num_samples > self.cfg.max_concurrency:
+                    return             # held until enough slots free
+                if spread:
+                    self.group_taken_at[t.group_id] = t_now
+                self._start(self.held.popleft())
+        finally:
+            if passed_over:
+                await self.buffer.put_tasks(passed_over)
 
     def _start(self, t: RolloutTask):
         self.slots_used += t.num_samples

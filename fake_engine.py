@@ -4,20 +4,38 @@ It speaks the same six backend calls as proxy.VLLMEngine (stream, abort, pause, 
 load_weights, score), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
 fast-forwarded event loop (looptime) an hour of decoding takes milliseconds of real time.
 
-Model of an engine with continuous batching:
-- each decode step takes `t0 + k * num_running` seconds (memory-bound decoding: a bigger batch costs
-  a little more per step) and gives every running request (up to `max_num_seqs`) one token;
-- a request arriving mid-step joins at the next step (no prefill cost modelled);
-- a request's response length is drawn from `length_sampler(rng)` (long-tailed lognormal by default),
-  capped at its max_tokens; with ignore_eos it is exactly max_tokens; `respond(prompt_ids)` may
-  script the tokens instead (environment tests);
+Model of one vLLM engine with continuous batching and a paged KV cache (vLLM V1's scheduler, FCFS):
+- capacity: at most `max_num_seqs` sequences decode at once, and their KV cache must fit
+  `kv_tokens` tokens, held in blocks of `block_size` tokens (a sequence of c tokens holds
+  ceil(c / block_size) blocks). kv_tokens=None: no memory limit (the simple mode of the tests);
+- admission: a request waits (FCFS) until a seat is free and the blocks of its whole context fit;
+  admitting it prefills that context (prompt, plus the tokens it had already generated if it was
+  preempted: vLLM's recompute);
+- preemption: before each step every running sequence needs room for one more token; when the free
+  blocks run out, the most recently admitted sequence is preempted (its blocks freed, put back at the
+  head of the waiting queue, recomputed when readmitted), as vLLM does. No request is admitted in a
+  step that preempted;
+- step time = t0 + k * running + k_ctx * (context tokens of the running sequences, the KV read)
+  + k_prefill * (tokens prefilled this step); every running sequence gets one token per step;
+- a request arriving mid-step joins at the next step;
+- response length: `length_of_prompt(prompt_ids, rng)` when given (the simulator's per-prompt
+  workload), else `length_sampler(rng)` (long-tailed lognormal by default), capped at max_tokens;
+  with ignore_eos it is exactly max_tokens; `respond(prompt_ids)` may script the tokens instead
+  (environment tests);
 - the logprob of every token is -1 / (1 + number of weight loads so far), so a test can tell which
   weights produced a token.
+
+Simplifications, on purpose: no token budget per step (vLLM's max_num_batched_tokens / chunked
+prefill: a long prefill is one step here, not split over several); no prefix caching (every sample
+prefills its own prompt); preemption by recompute only (no swap). The constants' units are seconds
+and tokens of this engine; sim.py derives them for an 8B model on an 80 GB GPU, and
+sim_vs_real.py fits them to real vLLM CPU engines.
 """
 
 import asyncio
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -28,11 +46,17 @@ def lognormal_lengths(median: float = 64, sigma: float = 1.0, cap: int = 4096):
 
 @dataclass
 class _FakeRequest:
+    prompt_len: int                     # tokens of the prompt (context before the first new token)
     target: int                         # tokens this request will generate
     end_reason: str                     # "stop" (drew EOS) or "length" (hit max_tokens)
     script: list[int] | None            # scripted tokens, if any
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
+    blocks: int = 0                     # KV blocks held (0 while waiting)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.generated
 
 
 class FakeTimedEngine:
@@ -40,19 +64,31 @@ class FakeTimedEngine:
 
     def __init__(self, t0: float = 0.02, k: float = 0.0002, max_num_seqs: int = 256,
                  length_sampler=None, respond=None, vocab_size: int = 64, load_s: float = 0.5,
-                 seed: int = 0):
-        self.t0, self.k = t0, k                 # decode step time = t0 + k * running, seconds
-        self.max_num_seqs = max_num_seqs
+                 seed: int = 0, kv_tokens: int | None = None, block_size: int = 16, k_ctx: float = 0.0,
+                 k_prefill: float = 0.0, length_of_prompt=None):
+        self.t0, self.k = t0, k                 # s per decode step at batch 0; s per running sequence per step
+        self.k_ctx = k_ctx                      # s per context token of the running sequences per step (KV read)
+        self.k_prefill = k_prefill              # s per prefilled token (admission, recompute after preemption)
+        self.max_num_seqs = max_num_seqs        # sequences decoding at once, at most
+        self.block_size = block_size            # tokens per KV block
+        self.num_blocks = None if kv_tokens is None else kv_tokens // block_size   # KV budget; None: unlimited
         self.length_sampler = length_sampler or lognormal_lengths()
+        self.length_of_prompt = length_of_prompt   # optional: (prompt_ids, rng) -> response length
         self.respond = respond                  # optional: prompt_ids -> list of response token ids
         self.vocab_size = vocab_size
         self.load_s = load_s                    # time to load one set of weights, seconds
         self.rng = random.Random(seed)
-        self.running: dict[str, _FakeRequest] = {}
+        self.running: dict[str, _FakeRequest] = {}   # every request in the engine: decoding or waiting
+        self.decoding: list[str] = []           # admitted (holding KV blocks), in admission order
+        self.waiting: deque[str] = deque()      # not admitted: new (tail) or preempted (head)
+        self.blocks_used = 0
         self.paused = False
         self.hang = False                       # tests: True makes the engine stop answering
         self.num_loads = 0
         self.num_steps = 0
+        self.num_preemptions = 0
+        self.tokens_prefilled = 0
+        self.busy_s = 0.0                       # time spent in decode steps (engine utilisation)
         self._wake = asyncio.Event()
         self._step_done = asyncio.Event()
         self._step_done.set()
@@ -62,27 +98,91 @@ class FakeTimedEngine:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
 
+    # --- the scheduler: KV blocks, preemption, admission
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _free_blocks(self) -> float:
+        return math.inf if self.num_blocks is None else self.num_blocks - self.blocks_used
+
+    def _release(self, eid: str):
+        r = self.running[eid]
+        self.blocks_used -= r.blocks
+        r.blocks = 0
+
+    def _schedule(self) -> int:
+        """Grow, preempt and admit for the next step; returns the tokens to prefill in it."""
+        preempted = False
+        for eid in list(self.decoding):          # every running sequence needs room for its next token
+            if eid not in self.decoding:         # preempted below, to make room for an older one
+                continue
+            r = self.running[eid]
+            need = self._blocks(r.context + 1) - r.blocks
+            while need > self._free_blocks() and self.decoding:
+                victim = self.decoding.pop()     # the most recently admitted
+                self._release(victim)
+                self.waiting.appendleft(victim)
+                self.num_preemptions += 1
+                preempted = True
+                if victim == eid:
+                    break
+            if eid in self.decoding:
+                r.blocks += need
+                self.blocks_used += need
+        prefill = 0
+        while not preempted and self.waiting and len(self.decoding) < self.max_num_seqs:
+            r = self.running[self.waiting[0]]
+            need = self._blocks(r.context + 1)
+            if need > self._free_blocks():
+                if not self.decoding and self.num_blocks is not None and need > self.num_blocks:
+                    raise RuntimeError(f"fake engine: a request of {r.context} tokens can never fit "
+                                       f"{self.num_blocks * self.block_size} KV tokens")
+                break
+            self.decoding.append(self.waiting.popleft())
+            r.blocks = need
+            self.blocks_used += need
+            prefill += r.context
+        return prefill
+
     async def _step_loop(self):
         while True:
             if self.paused or not self.running or self.hang:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = list(self.running.items())[: self.max_num_seqs]
+            prefill = self._schedule()
+            batch = list(self.decoding)
+            ctx = sum(self.running[eid].context for eid in batch)
             self._step_done.clear()
-            await asyncio.sleep(self.t0 + self.k * len(batch))
+            dt = self.t0 + self.k * len(batch) + self.k_ctx * ctx + self.k_prefill * prefill
+            await asyncio.sleep(dt)
+            self.busy_s += dt
             self.num_steps += 1
+            self.tokens_prefilled += prefill
             logprob = -1.0 / (1 + self.num_loads)
-            for eid, r in batch:
-                if eid not in self.running:     # aborted during the step
+            for eid in batch:
+                r = self.running.get(eid)
+                if r is None or eid not in self.decoding:   # aborted or preempted during the step
                     continue
                 tok = r.script[r.generated] if r.script else self.rng.randrange(2, self.vocab_size)
                 r.generated += 1
                 reason = r.end_reason if r.generated >= r.target else None
                 r.queue.put_nowait(([tok], [logprob], reason))
                 if reason:
-                    del self.running[eid]
+                    self._drop(eid)
             self._step_done.set()
+
+    def _drop(self, eid: str) -> _FakeRequest | None:
+        r = self.running.get(eid)
+        if r is None:
+            return None
+        self._release(eid)
+        if eid in self.decoding:
+            self.decoding.remove(eid)
+        else:
+            self.waiting.remove(eid)
+        return self.running.pop(eid)
 
     # --- backend calls (see proxy.VLLMEngine)
     async def stream(self, request_id, prompt_token_ids, sampling):
@@ -93,11 +193,14 @@ class FakeTimedEngine:
             want = max(1, len(script))
         elif sampling.ignore_eos:
             want = sampling.max_tokens + 1      # never draws EOS
+        elif self.length_of_prompt is not None:
+            want = self.length_of_prompt(prompt_token_ids, self.rng)
         else:
             want = self.length_sampler(self.rng)
         target = min(want, sampling.max_tokens)
-        r = _FakeRequest(target, "stop" if want <= sampling.max_tokens else "length", script)
+        r = _FakeRequest(len(prompt_token_ids), target, "stop" if want <= sampling.max_tokens else "length", script)
         self.running[request_id] = r
+        self.waiting.append(request_id)
         self._ensure_loop()
         self._wake.set()
         try:
@@ -107,11 +210,11 @@ class FakeTimedEngine:
                 if item[2] is not None:
                     return
         finally:  # a cancelled or closed stream must not keep taking decode steps
-            self.running.pop(request_id, None)
+            self._drop(request_id)
 
     async def abort(self, request_ids):
         for eid in request_ids:
-            r = self.running.pop(eid, None)
+            r = self._drop(eid)
             if r is not None:
                 r.queue.put_nowait(([], [], "abort"))
 

@@ -57,7 +57,8 @@ class Config:
     data: str = opt("", "JSONL/parquet with prompt + answer rows; empty = generated addition problems")
     env: str = opt("", "multi-turn environment name (env_manager/envs); empty = single-turn RLVR")
     out_dir: str = opt("runs/default", "metrics.jsonl and checkpoint/ go here")
-    resume: bool = opt(False, "continue from out_dir/checkpoint (step, version, data position, optimizer)")
+    resume: str = opt("no", "continue from out_dir/checkpoint (step, version, data position, optimizer): no | yes "
+                             "(--resume alone) | auto (if there is one; for torchrun --max-restarts)", const="yes")
     overwrite: bool = opt(False, "start afresh in an out_dir that holds a checkpoint (its metrics and checkpoint go)")
     steps: int = opt(80, "training steps (weight versions) to run")
     async_ratio: int = opt(2, "max policy versions a trained sample may lag; 0 = synchronous")
@@ -86,7 +87,9 @@ class Config:
     seed: int = opt(0, "seeds data order and the trainer")
 
     def __post_init__(self):
-        if self.resume and self.overwrite:
+        if self.resume not in ("no", "yes", "auto"):
+            raise ValueError(f"--resume must be no, yes or auto, got {self.resume!r}")
+        if self.resume != "no" and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
         if self.rollout_gpus < 1 or self.train_gpus < 1:
             raise ValueError("--rollout-gpus and --train-gpus must both be >= 1")
@@ -404,7 +407,7 @@ def check_run_dir(cfg: Config) -> dict | None:
     from trainer import read_checkpoint_state
     out = Path(cfg.out_dir)
     state = read_checkpoint_state(cfg.out_dir)
-    if not cfg.resume:
+    if cfg.resume == "no" or (cfg.resume == "auto" and state is None):
         if state is not None and not cfg.overwrite:
             sys.exit(f"train.py: --out-dir {out} holds a checkpoint (step {state['step']}): pass --resume to "
                      f"continue it, or --overwrite to start over (its metrics and checkpoint are then replaced)")
@@ -426,6 +429,10 @@ def check_run_dir(cfg: Config) -> dict | None:
         sys.exit(f"train.py: --resume: --model {cfg.model} is not the model this run started from "
                  f"({saved.get('model') or 'the embedded tiny model'}); a resumed run continues its checkpoint")
     if cfg.steps <= state["step"]:
+        if cfg.resume == "auto":      # a restart after the final checkpoint: the run is complete
+            print(f"train.py: --resume auto: the checkpoint in {out} is at step {state['step']} >= --steps "
+                  f"{cfg.steps}: nothing left to do", flush=True)
+            sys.exit(0)
         sys.exit(f"train.py: --resume: the checkpoint is at step {state['step']}, so --steps {cfg.steps} leaves "
                  f"nothing to do; pass --steps > {state['step']}")
     return state

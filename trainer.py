@@ -178,12 +178,16 @@ class Trainer:
 
     # --- checkpoints
     def save_checkpoint(self, out_dir: str, state: dict, tokenizer_dir: str):
-        """<out_dir>/checkpoint: HF model (safetensors + config) + tokenizer, optimizer shard per
-        trainer rank, state.json (step, version, data position...). Written to checkpoint.tmp and
-        renamed into place, so a crash mid-write leaves the previous checkpoint intact; a write that
-        fails (a full disk...) removes checkpoint.tmp and says why. Collective: every trainer rank calls it."""
-        final = Path(out_dir) / "checkpoint"
-        tmp = Path(out_dir) / "checkpoint.tmp"
+        """<out_dir>/checkpoint -> checkpoint-<step>: HF model (safetensors + config) + tokenizer,
+        optimizer shard per trainer rank, state.json (step, version, data position...; written last).
+        Written to checkpoint-<step>.tmp, renamed to checkpoint-<step>, then the `checkpoint` symlink
+        is switched to it by one atomic rename and older checkpoint-* dirs are removed: a SIGKILL at
+        any moment leaves `checkpoint` pointing at a complete checkpoint, the new one or the one
+        before (leftovers go at the next save). A write that fails (a full disk...) removes its .tmp
+        and says why. Collective: every trainer rank calls it."""
+        out = Path(out_dir)
+        name = f"checkpoint-{state['step']:06d}"
+        tmp, final, link = out / f"{name}.tmp", out / name, out / "checkpoint"
         named = self.full_state()
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -200,12 +204,17 @@ class Trainer:
         if self.group is not None:
             dist.barrier(group=self.group)
         if self.rank == 0:
-            old = Path(out_dir) / "checkpoint.old"
-            shutil.rmtree(old, ignore_errors=True)
-            if final.exists():
-                os.replace(final, old)
+            shutil.rmtree(final, ignore_errors=True)      # a killed save of this same step left it unlinked
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if link.exists() and not link.is_symlink():   # a checkpoint dir of the earlier layout
+                os.replace(link, out / "checkpoint-legacy")
+            new_link = out / "checkpoint.link-tmp"
+            new_link.unlink(missing_ok=True)
+            os.symlink(name, new_link)
+            os.replace(new_link, link)                    # the switch: atomic
+            for old in out.glob("checkpoint-*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
 
     def _write_model(self, tmp: Path, named, state: dict, tokenizer_dir: str):
         from safetensors.torch import save_file
@@ -240,6 +249,7 @@ def checkpoint_error(tmp: Path, e: BaseException) -> str:
 
 
 def read_checkpoint_state(out_dir: str) -> dict | None:
+    """The latest complete checkpoint's state.json, or None when out_dir holds none."""
     path = Path(out_dir) / "checkpoint" / "state.json"
     return json.loads(path.read_text()) if path.exists() else None
 

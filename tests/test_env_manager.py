@@ -152,6 +152,50 @@ def test_max_concurrency_bounds_in_flight_work(tok):
     assert [round(t / (8 * STEP)) for t, _ in got] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
 
 
+def test_idle_ranks_share_a_group_at_default_concurrency(tok):
+    """Low load, default max_concurrency (64 free slots per rank): a replicated group of 8 spreads
+    over all 4 engines, 2 samples each, instead of the first rank to poll taking all 8. A greedy
+    single rank (num_ranks=1) still takes the whole group in one poll."""
+    async def main(num_ranks):
+        buf = SampleBuffer(LocalQueues(num_ranks), "test")
+        cfg = RolloutConfig()
+        assert cfg.max_concurrency >= 8
+        ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lambda rng: 20) for r in range(num_ranks)]
+        runs = [asyncio.create_task(m.run()) for m in ms]
+        await asyncio.sleep(cfg.poll_s / 2)                  # every rank idle and polling
+        for i in range(8):
+            await buf.put_task(add_task(f"g.{i}", "g"))
+        got = await collect(buf, 8)
+        await stop_all(buf, ms, runs)
+        return [s.rank for _, s in got], [t for t, _ in got]
+    ranks, times = run_virtual(main(4))
+    assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert max(times) < 20 * STEP + 3 * RolloutConfig().poll_s + 2 * STEP    # spread within two poll periods
+    ranks, _ = run_virtual(main(1))
+    assert ranks == [0] * 8
+
+
+def test_a_rank_takes_the_rest_of_a_group_when_the_others_are_full(tok):
+    """Rank 1 is full (max_concurrency 1, busy with a long task): rank 0 takes the whole group,
+    one more sample per poll period, and nothing waits for rank 1."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(2), "test")
+        m0 = make_manager(buf, tok, rank=0, cfg=RolloutConfig(), length_sampler=lambda rng: 20)
+        m1 = make_manager(buf, tok, rank=1, cfg=RolloutConfig(max_concurrency=1, max_total_tokens=2000))
+        runs = [asyncio.create_task(m1.run())]
+        await buf.put_task(add_task("long", "long", target_len=1000))
+        await asyncio.sleep(1.0)                              # rank 1 took the long task: it is full
+        runs.append(asyncio.create_task(m0.run()))
+        t0 = now()
+        for i in range(4):
+            await buf.put_task(add_task(f"g.{i}", "g"))
+        got = await collect(buf, 4)
+        await stop_all(buf, [m0, m1], runs)
+        return t0, got
+    t0, got = run_virtual(main())
+    assert {s.rank for _, s in got} == {0}
+    assert max(t for t, _ in got) - t0 < 20 * STEP + 5 * RolloutConfig().poll_s + 2 * STEP   # long before 100 s
+
 # ---------------------------------------------------------------------------------------------
 # rewards, EOS, filtering
 

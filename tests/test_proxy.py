@@ -42,6 +42,49 @@ def test_continuous_batching_time_model():
     assert run_virtual(main()) == pytest.approx(10 * (1.0 + 0.1 * 16), rel=0.02)
 
 
+def test_kv_budget_preempts_the_newest_sequence_and_recomputes_it():
+    """4 KV blocks of 4 tokens, two requests of 1 prompt + 10 tokens (3 blocks each at the end). Both fit
+    until their 8th token; then the newer one (b) is preempted, a finishes alone at step 10, and b is
+    readmitted (its 8-token context prefilled again) and ends 3 steps later. Unlimited KV: both at 10."""
+    async def main(kv_tokens):
+        p = make_proxy(t0=1.0, k=0.0, kv_tokens=kv_tokens, block_size=4)
+        loop = asyncio.get_running_loop()
+
+        async def one(rid):
+            c = await p.generate([1], Sampling(max_tokens=10, ignore_eos=True), request_id=rid)
+            return loop.time(), c
+        (ta, a), (tb, b) = await asyncio.gather(one("a"), one("b"))
+        assert len(a.token_ids) == len(b.token_ids) == 10
+        return ta, tb, p.engine
+    ta, tb, e = run_virtual(main(16))
+    assert (ta, tb) == (pytest.approx(10.0), pytest.approx(13.0))
+    assert e.num_preemptions == 1 and e.tokens_prefilled == 1 + 1 + 8 and e.blocks_used == 0
+    ta, tb, e = run_virtual(main(None))
+    assert (ta, tb) == (pytest.approx(10.0), pytest.approx(10.0)) and e.num_preemptions == 0
+
+
+def test_step_time_grows_with_context_and_prefill():
+    """One request, 10-token prompt, 5 tokens: steps read 10, 11, 12, 13, 14 tokens of KV at 0.1 s each,
+    and the first step also prefills the 10 prompt tokens at 0.01 s each."""
+    async def main():
+        p = make_proxy(t0=1.0, k=0.5, k_ctx=0.1, k_prefill=0.01, length_sampler=lambda rng: 5)
+        await p.generate(list(range(10)), Sampling(max_tokens=16))
+        return asyncio.get_running_loop().time()
+    assert run_virtual(main()) == pytest.approx(5 * (1.0 + 0.5) + 0.1 * (10 + 11 + 12 + 13 + 14) + 0.01 * 10)
+
+
+def test_requests_wait_for_a_seat_when_max_num_seqs_is_reached():
+    async def main():
+        p = make_proxy(t0=1.0, k=0.0, max_num_seqs=2, length_sampler=lambda rng: 4)
+        loop = asyncio.get_running_loop()
+
+        async def one():
+            await p.generate([1], Sampling(max_tokens=8))
+            return loop.time()
+        return sorted(await asyncio.gather(*[one() for _ in range(5)]))
+    assert run_virtual(main()) == [pytest.approx(t) for t in (4, 4, 8, 8, 12)]
+
+
 def test_abort_returns_partial_output():
     async def main():
         p = make_proxy(t0=1.0, k=0.0)

@@ -72,7 +72,7 @@ def test_env_failures_are_retried_and_the_run_completes():
 
 def test_ideal_bound_is_the_slower_side():
     cfg = replace(TINY, rollout_gpus=64)            # plenty of engines: the trainer is the bottleneck
-    gen, per_sample = sim.demand(cfg)
+    gen, per_sample, _ = sim.demand(cfg)
     assert sim.ideal_steps_per_s(cfg) == pytest.approx(
         1 / sim.train_time(cfg, cfg.batch_groups * cfg.group_size * per_sample, cfg.train_gpus))
     assert sim.best_split(TINY, 40) in range(1, 40)
@@ -83,3 +83,44 @@ def test_configs_that_cannot_be_modelled_are_refused():
         sim.simulate(replace(TINY, colocated=True, async_ratio=1))
     with pytest.raises(ValueError, match="lockstep"):
         sim.simulate(replace(sim.AGENT, lockstep="engine", env_redundancy=2))
+
+
+def test_workload_lengths_are_correlated_within_a_prompt_and_with_its_difficulty():
+    """Samples of one prompt share its length median (the within-prompt spread is smaller than the spread
+    over all samples), and harder prompts (lower pass rate) answer longer."""
+    import math
+    import random
+    import statistics
+    w = sim.Workload(sim.RLVR)
+    rng = random.Random(0)
+    logs = {seed: [math.log(w.length(seed, rng)) for _ in range(32)] for seed in range(300)}
+    within = statistics.fmean(statistics.pvariance(v) for v in logs.values())
+    total = statistics.pvariance([x for v in logs.values() for x in v])
+    assert within < 0.75 * total
+    p = [w.prompt(seed)[0] for seed in logs]
+    med = [statistics.median(v) for v in logs.values()]
+    assert statistics.correlation(p, med) < -0.3
+    assert len({w.prompt(seed)[2] for seed in logs}) > 3          # prompts have lengths of their own
+
+
+def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
+    """Lengths set by the prompt alone (all their spread between prompts) and a KV budget of 3 capped samples per
+    engine: with a group's samples on one engine (replication off) the engine holding the long groups runs out
+    of KV and preempts; replicated, both engines get half of every group, nothing is preempted, and the step's
+    generation ends sooner."""
+    cfg = sim.colocated(replace(TINY, kv_tokens=3 * 8192, len_median=2000, len_sigma=1.0, len_sigma_prompt=1.0,
+                                len_rho=1.0, filter_equal=False, steps=3), 2)
+    off = sim.simulate(replace(cfg, replicate=False))
+    on = sim.simulate(replace(cfg, replicate=True))
+    assert off["preemptions"] > 0
+    assert on["preemptions"] < off["preemptions"]
+    assert on["rollout_s"] < 0.95 * off["rollout_s"]
+    assert all(row["num_samples"] == 16 for row in off["rows"] + on["rows"])
+
+
+def test_sim_vs_real_fit_recovers_constants_and_never_goes_negative():
+    import sim_vs_real
+    rows = [(n, c, 0.012 + 0.0005 * n + 1e-6 * n * c) for n in (1, 4, 16, 64) for c in (15, 50)]
+    assert sim_vs_real.fit(rows) == pytest.approx((0.012, 0.0005, 1e-6), rel=1e-6)
+    rows = [(n, c, 0.01 + 0.001 * n - 1e-6 * n * c) for n in (1, 4, 16, 64) for c in (15, 50)]
+    assert min(sim_vs_real.fit(rows)) >= 0

@@ -1,0 +1,236 @@
+"""sim_vs_real.py: the simulator's engine model against real vLLM engines, on this machine.
+
+    .venv/bin/python sim_vs_real.py                  # 2 vLLM CPU engines, one core each; ~4 min
+    .venv/bin/python sim_vs_real.py --repeats 3      # the spread over repeats (the cores are shared)
+
+Per repeat:
+1. calibrate: keep n requests in flight on each real engine (n in N_SWEEP, prompts of PROMPT_LENS
+   tokens, the run's response lengths, a new request as soon as one ends), measure the seconds per
+   decode step, and fit the fake engine's step time t0 + k * n + k_ctx * (context tokens) by least
+   squares; time a weight update (load + resume) of the tiny model's real tensors;
+2. real: the project's AsyncController, SampleBuffer and one EnvManager per engine over the two real
+   proxies, `steps` timed steps (after one warm-up step) of collect -> training (a sleep of train_s)
+   -> weight sync through the real protocol with the tiny model's tensors, for each async ratio;
+3. sim: the same code, same settings, same problem stream (same prompts and response lengths), over
+   FakeTimedEngines with the constants of step 1, on a fast-forwarded event loop.
+Printed: one JSON object with the fitted constants and, per async ratio, seconds per step and engine
+utilisation (LLMProxy's busy fraction: in flight and not suspended) both ways, and their ratios.
+
+Deliberate choices: training is the same modelled sleep both ways (the trainer would compete with the
+engines for the 2 cores and that is not what is compared); response lengths are forced
+(Problem.target_len, lognormal as in bench.py) so that both runs generate the same tokens; the KV
+budget of the fake engine is the real one (VLLM_CPU_KVCACHE_SPACE over the tiny model's bytes per
+token), far from binding here; the fake engine has no prefill term (the fit's context term absorbs
+the tiny prompts' prefill).
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+N_SWEEP = (1, 4, 16, 64)    # requests kept in flight per engine in the calibration (64 = max_num_seqs here)
+PROMPT_LENS = (4, 40)       # prompt tokens in the calibration: two context levels, so k_ctx can be fitted
+CAL_REQUESTS = 6            # requests per in-flight slot in one calibration run
+KV_GIB = 1                  # VLLM_CPU_KVCACHE_SPACE of each engine (proxy.VLLMEngine.start's default), GiB
+MAX_NUM_SEQS = 64           # vLLM max_num_seqs of each engine, and the EnvManagers' max_concurrency
+
+
+def fit(rows: list[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """(n, mean context, seconds per step) rows -> (t0, k, k_ctx) >= 0 of t0 + k*n + k_ctx*n*context, least
+    squares over the non-negative fits of each subset of the terms (n and n*context are nearly collinear
+    at the tiny model's short contexts, so an unconstrained fit can trade one for a negative other)."""
+    import itertools
+
+    import torch
+    b = torch.tensor([[s] for _, _, s in rows], dtype=torch.float64)
+    a = torch.tensor([[1.0, n, n * ctx] for n, ctx, _ in rows], dtype=torch.float64)
+    best = None
+    for cols in ([0, *c] for r in range(3) for c in itertools.combinations([1, 2], r)):
+        x = torch.linalg.lstsq(a[:, cols], b).solution
+        err = float(((a[:, cols] @ x - b) ** 2).sum())
+        if (x >= 0).all() and (best is None or err < best[0]):
+            coef = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, x.flatten().tolist()):
+                coef[c] = v
+            best = (err, coef)
+    return tuple(best[1])
+
+
+async def closed_loop(proxy, n: int, plen: int, lengths: list[int], vocab: int) -> float:
+    """Keep n requests in flight on one engine (a new one as soon as one ends: continuous batching with
+    arrivals, prefills and departures, as in a run) and return the seconds per decode step, measured
+    until the first of the n request streams runs dry (all n in flight until then)."""
+    from proxy import Sampling
+    t, tokens0, first_dry = time.perf_counter(), proxy.num_tokens, asyncio.Event()
+
+    async def stream(i):
+        for j, length in enumerate(lengths[i::n]):
+            prompt = [2 + (i + j + x) % (vocab - 2) for x in range(plen)]
+            await proxy.generate(prompt, Sampling(max_tokens=length, ignore_eos=True))
+        first_dry.set()
+    tasks = [asyncio.ensure_future(stream(i)) for i in range(n)]
+    await asyncio.wait_for(first_dry.wait(), 300)
+    dt, tokens = time.perf_counter() - t, proxy.num_tokens - tokens0
+    await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    return n * dt / tokens
+
+
+async def calibrate(proxies, weights, vocab: int, args) -> dict:
+    """Both engines at once (as in a run: they share the front-end process), each in closed loops over
+    N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> load -> resume),
+    both engines at once."""
+    import bench
+    rows = []
+    for plen in PROMPT_LENS:
+        for n in N_SWEEP:
+            gen = bench.problems(args.seed + n + plen, args.median_len, 1.0, 124 - plen - 4)
+            lengths = [next(gen).target_len for _ in range(CAL_REQUESTS * n)]
+            ctx = plen + sum(x * x for x in lengths) / (2 * sum(lengths))   # time-weighted mean context
+            t, cpu = time.perf_counter(), time.process_time()
+            steps = await asyncio.gather(*[closed_loop(p, n, plen, lengths, vocab) for p in proxies])
+            rows += [(n, ctx, s) for s in steps]
+            if n == max(N_SWEEP):
+                front_cpu = (time.process_time() - cpu) / (time.perf_counter() - t)
+
+    async def sync(proxy):
+        await proxy.suspend("keep")
+        t = time.perf_counter()
+        await proxy.update_weights(weights, proxy.version)
+        await proxy.resume()
+        return time.perf_counter() - t
+    loads = [x for _ in range(3) for x in await asyncio.gather(*[sync(p) for p in proxies])]
+    t0, k, k_ctx = fit(rows)
+    return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads), "front_end_cores_at_64": front_cpu,
+            "max_abs_residual_ms": 1e3 * max(abs(t0 + k * n + k_ctx * n * c - s) for n, c, s in rows)}
+
+
+async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
+    """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual)."""
+    import bench
+    from buffer import LocalQueues, SampleBuffer
+    from controller import AsyncController, ControllerConfig
+    from env_manager import EnvManager, RolloutConfig
+
+    buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
+    ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, async_ratio=alpha,
+                            filter_equal=False, timeout_s=300)
+    ctrl = AsyncController(ccfg, buffer, bench.problems(args.seed, args.median_len, 1.0, 110), len(proxies),
+                           version=proxies[0].version)
+
+    async def receive_weights(cmd):
+        return weights
+
+    rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, async_ratio=alpha, max_total_tokens=124)
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, receive_weights=receive_weights)
+                for r, p in enumerate(proxies)]
+    runs = [asyncio.ensure_future(m.run()) for m in managers]
+    loop = asyncio.get_running_loop()
+    times, utils, waits, syncs = [], [], [], []
+    tokens0 = 0
+    for step in range(args.steps + 1):                  # step 0: warm-up, not counted
+        t = loop.time()
+        _, info = await ctrl.collect()
+        await asyncio.sleep(args.train_s)
+        sync = await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        if step == 0:
+            t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
+        else:
+            times.append(loop.time() - t)
+            utils.append(sync["rollout_utilisation"])
+            waits.append(info["time_wait_rollout"])
+            syncs.append(sync["time_weight_sync"])
+    tok_s = (sum(p.num_tokens for p in proxies) - tokens0) / (loop.time() - t_start)
+    front_cpu = (time.process_time() - cpu0) / (loop.time() - t_start)   # this process: controller, managers, proxies
+    await ctrl.stop()
+    await asyncio.wait_for(asyncio.gather(*runs), 60)
+    return {"s_per_step": statistics.fmean(times), "utilisation": statistics.fmean(utils),
+            "rollout_wait_s": statistics.fmean(waits), "sync_s": statistics.fmean(syncs), "tokens_per_s": tok_s,
+            "front_end_cores": front_cpu}
+
+
+def run_sim(consts: dict, tokenizer, weights, args, alpha: int, kv_tokens: int) -> dict:
+    import looptime
+
+    from fake_engine import FakeTimedEngine
+    from proxy import LLMProxy
+
+    async def main():
+        proxies = [LLMProxy(FakeTimedEngine(t0=consts["t0"], k=consts["k"], k_ctx=consts["k_ctx"], kv_tokens=kv_tokens,
+                                            max_num_seqs=MAX_NUM_SEQS, load_s=consts["load_s"],
+                                            vocab_size=tokenizer.vocab_size, seed=r), rank=r, timeout_s=120)
+                   for r in range(2)]
+        try:
+            return await run(proxies, tokenizer, weights, args, alpha)
+        finally:
+            for p in proxies:
+                p.shutdown()
+    loop = looptime.new_event_loop(noop_cycles=0)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+async def real_repeats(args, model_dir, tokenizer, weights, kv_tokens) -> list[dict]:
+    from proxy import LLMProxy
+    proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=MAX_NUM_SEQS,
+                                         kv_cache_gib=KV_GIB, timeout_s=120) for r in range(2)]
+    out = []
+    try:
+        await calibrate(proxies, weights, tokenizer.vocab_size, args)      # warm-up: first batches of each shape are slow
+        for rep in range(args.repeats):
+            consts = await calibrate(proxies, weights, tokenizer.vocab_size, args)
+            real = {a: await run(proxies, tokenizer, weights, args, a) for a in args.alphas}
+            out.append({"consts": consts, "real": real})
+            print(f"repeat {rep}: {json.dumps(out[-1])}", flush=True)
+    finally:
+        for p in proxies:
+            p.shutdown()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=1, help="calibrate + real runs, repeated on the same engines")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per run (plus one warm-up)")
+    ap.add_argument("--alphas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2], help="async ratios")
+    ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--median-len", type=float, default=24, help="median forced response length, tokens")
+    ap.add_argument("--train-s", type=float, default=0.5, help="modelled training time per step, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import json as _json
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    import tiny_model
+    model_dir = str(tiny_model.ensure_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    weights = list(load_file(f"{model_dir}/model.safetensors").items())
+    c = _json.load(open(f"{model_dir}/config.json"))
+    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    kv_tokens = KV_GIB * 2 ** 30 // kv_bytes                      # float32 K and V per token, all layers
+    out = asyncio.run(real_repeats(args, model_dir, tokenizer, weights, kv_tokens))
+    for o in out:                                                      # the engines are gone: simulate
+        o["sim"] = {a: run_sim(o["consts"], tokenizer, weights, args, a, kv_tokens) for a in args.alphas}
+    summary = {}
+    for a in args.alphas:
+        r = [o["real"][a]["s_per_step"] for o in out]
+        s = [o["sim"][a]["s_per_step"] for o in out]
+        ru = [o["real"][a]["utilisation"] for o in out]
+        su = [o["sim"][a]["utilisation"] for o in out]
+        summary[f"alpha{a}"] = {
+            "real_s_per_step": r, "sim_s_per_step": s, "sim_over_real_s": [x / y for x, y in zip(s, r)],
+            "real_utilisation": ru, "sim_utilisation": su, "sim_over_real_util": [x / y for x, y in zip(su, ru)]}
+    print(json.dumps({"setup": {"engines": 2, "batch": f"{args.batch_groups}x{args.group_size}", "steps": args.steps,
+                                "train_s": args.train_s, "median_len": args.median_len, "kv_tokens": kv_tokens},
+                      "constants": [o["consts"] for o in out], "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
