@@ -138,11 +138,23 @@ def init_distributed(cfg: Config):
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=max(cfg.timeout_s, 1800)))  # long: first rank builds the model
+    long = timedelta(seconds=max(cfg.timeout_s, 1800))             # long: the first rank may build the model
+    dist.init_process_group("gloo", store=restart_store(rank, world, long), rank=rank, world_size=world, timeout=long)
     backend = "nccl" if cuda else "gloo"
     trainer_group = dist.new_group(list(range(cfg.train_gpus)), timeout=timeout, backend=backend)
     sync_group = dist.new_group([0] + list(range(cfg.train_gpus, world)), timeout=timeout, backend=backend)
     return rank, world, ("cuda" if cuda else "cpu"), Groups(trainer_group, sync_group)
+
+
+def restart_store(rank: int, world: int, timeout: timedelta):
+    """The default group's key-value store, under a prefix per torchrun restart. torchrun's static
+    rendezvous keeps one store for every restart of the ranks, and the ranks' own keys carry no
+    attempt: a restarted rank then reads the address its killed predecessor left there and fails
+    to connect (seen with --max-restarts). The prefix gives every attempt its own keys."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"     # torchrun's agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def collective(phase: str, fn, *args, **kwargs):

@@ -36,8 +36,8 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def torchrun(out_dir, *args, rollout_gpus: int = 2) -> subprocess.Popen:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1),
+def torchrun(out_dir, *args, rollout_gpus: int = 2, launcher=()) -> subprocess.Popen:
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1), *launcher,
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
            "--rollout-gpus", str(rollout_gpus), "--train-gpus", "1", "--out-dir", str(out_dir), *SMALL, *args]
     log = open(Path(out_dir).with_suffix(".log"), "w")
@@ -217,3 +217,22 @@ def test_killed_process_leaves_nothing_behind(tmp_path, victim):
         assert all(x["sync_probe_max_diff"] < 1e-4 for x in r)   # the new engine holds the trainer's weights
     else:
         assert p.returncode != 0
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint_by_itself(tmp_path):
+    """torchrun --max-restarts + --resume auto: a killed rank costs at most one checkpoint interval;
+    the restarted ranks resume on their own and metrics.jsonl ends with every step exactly once."""
+    out = tmp_path / "heal"
+    p = torchrun(out, "--steps", "6", "--save-every", "2", "--async-ratio", "1", "--resume", "auto",
+                 rollout_gpus=1, launcher=("--max-restarts", "2"))
+    deadline = time.monotonic() + 400
+    while len(rows(out)) < 3:
+        assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step in time"
+        time.sleep(0.5)
+    [rollout] = [proc for role, proc in job_tree(p.pid).values() if role == "rollout rank"]
+    rollout.kill()
+    r = finish(p, out)
+    assert [x["step"] for x in r] == list(range(1, 7))
+    log = Path(out).with_suffix(".log").read_text()
+    assert "resuming at step 2" in log or "resuming at step 4" in log
