@@ -450,6 +450,33 @@ def check_run_dir(cfg: Config) -> dict | None:
     return state
 
 
+def check_inputs(cfg: Config, resuming: bool):
+    """--model and --data, read before anything starts: a bad one is named with what is wrong."""
+    if cfg.model and not resuming:      # (a resumed run loads its own checkpoint)
+        model = Path(cfg.model)
+        if not model.is_dir():
+            sys.exit(f"train.py: --model {model}: no such directory")
+        if not (model / "config.json").exists():
+            sys.exit(f"train.py: --model {model}: not a Hugging Face model dir (no config.json)")
+        try:
+            json.loads((model / "config.json").read_text())
+        except ValueError as e:
+            sys.exit(f"train.py: --model {model}: config.json is not valid JSON ({e})")
+        if not any(model.glob("*.safetensors")) and not any(model.glob("pytorch_model*.bin")):
+            sys.exit(f"train.py: --model {model}: no weights (*.safetensors or pytorch_model*.bin)")
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(str(model))
+        except Exception as e:
+            sys.exit(f"train.py: --model {model}: its tokenizer does not load: {e}")
+    if cfg.data:
+        import task
+        try:
+            task.load_dataset(cfg.data)
+        except (OSError, ValueError, ImportError) as e:
+            sys.exit(f"train.py: {e}" if str(e).startswith("--data") else f"train.py: --data {cfg.data}: {e}")
+
+
 def trim_metrics(out_dir: str, step: int):
     """Resume: drop the rows a crashed run wrote after its last checkpoint (they are trained again)."""
     path = Path(out_dir) / "metrics.jsonl"
@@ -466,6 +493,7 @@ def main():
     from buffer import die_with_parent
     die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg)
+    check_inputs(cfg, resuming=state is not None)
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
     rank, world, device, groups = init_distributed(cfg)

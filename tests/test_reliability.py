@@ -265,3 +265,46 @@ def test_checkpoint_survives_sigkill_at_any_moment(tmp_path, tiny_model_dir):
         torch.load(ck / "optimizer.rank0.pt", weights_only=True)   # ... with its optimizer state
     assert last >= 10
     Trainer(str(ck), TrainConfig()).load_optimizer(ck)
+
+
+def model_dir_variant(tmp_path, tiny_model_dir, what: str) -> Path:
+    import shutil
+    d = tmp_path / f"model-{what}"
+    if what == "missing":
+        return d
+    shutil.copytree(tiny_model_dir, d)
+    if what == "no-config":
+        (d / "config.json").unlink()
+    elif what == "corrupt-config":
+        (d / "config.json").write_text('{"model_type": "qwen2", ')
+    elif what == "no-weights":
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+    elif what == "corrupt-tokenizer":
+        (d / "tokenizer.json").write_text("not json")
+    return d
+
+
+@pytest.mark.parametrize("what, message", [
+    ("missing", "no such directory"), ("no-config", "no config.json"), ("corrupt-config", "not valid JSON"),
+    ("no-weights", "no weights"), ("corrupt-tokenizer", "tokenizer does not load"),
+])
+def test_bad_model_dir_is_named_before_anything_starts(tmp_path, tiny_model_dir, what, message):
+    model = model_dir_variant(tmp_path, tiny_model_dir, what)
+    r = train_py("--out-dir", str(tmp_path / "out"), "--model", str(model))
+    assert r.returncode != 0 and f"--model {model}" in r.stderr and message in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), ("DIR", "directory"), ("", "no rows"),
+    ('{"prompt": "1+1", "answer": "2"}\n{"prompt": oops}\n', "line 2"),
+    ('{"question": "1+1"}\n', "line 1"),
+])
+def test_bad_data_is_named_before_anything_starts(tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    if content == "DIR":
+        data.mkdir()
+    elif content is not None:
+        data.write_text(content)
+    r = train_py("--out-dir", str(tmp_path / "out"), "--data", str(data))
+    assert r.returncode != 0 and "--data" in r.stderr and message in r.stderr, r.stderr[-2000:]
