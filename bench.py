@@ -53,7 +53,7 @@ async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict
     from losses import group_advantages
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
-    ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_equal=False,
+    ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_groups=False,
                             timeout_s=300, **overrides)
     version = proxies[0].version
     ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),

@@ -369,7 +369,7 @@ class GroupAssembler:
     - A sample that is not fresh at the current version is dropped and counted; its whole group
       can no longer complete, so the rest of that group is dropped (and counted) as well.
     - A complete group whose rewards are all equal carries no GRPO signal: filtered (DAPO's dynamic
-      sampling) and counted, when `filter_equal`.
+      sampling) and counted, when `filter_groups`.
     - take() re-checks freshness against the version it is given, so a group that completed under
       an older version and then went stale is never returned.
     - Redundant rollout runs more samples of a group than it needs: the first `group_size` to
@@ -378,10 +378,10 @@ class GroupAssembler:
     one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus).
     """
 
-    def __init__(self, group_size: int, async_ratio: int, filter_equal: bool = True):
+    def __init__(self, group_size: int, async_ratio: int, filter_groups: bool = True):
         self.group_size = group_size
         self.async_ratio = async_ratio
-        self.filter_equal = filter_equal
+        self.filter_groups = filter_groups
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
         self.dead: set[str] = set()       # groups that can no longer complete (stale, or a sample given up on)
@@ -430,7 +430,7 @@ class GroupAssembler:
         if len(group) == self.group_size:
             del self.pending[s.group_id]
             self.closed.add(s.group_id)
-            if self.filter_equal and len({x.reward for x in group}) == 1:
+            if self.filter_groups and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1
                 self.samples_filtered += len(group)
                 self.last_filtered = group
@@ -463,3 +463,6 @@ class GroupAssembler:
 
     def num_ready(self) -> int:
         return len(self.ready)
+
+    def is_ready(self, group_id: str) -> bool:
+        return any(g[0].group_id == group_id for g in self.ready)

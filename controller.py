@@ -61,10 +61,12 @@ class ControllerConfig:
     redundant: int = 0            # extra prompts admitted per step for dynamic filtering
     replicate: bool = True        # prompt replication: a group's samples are independent tasks
     rollout_mode: str = "queue"   # "queue" or "batch" (barrier baseline)
-    filter_equal: bool = True     # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    filter_groups: bool = True     # drop groups whose rewards are all equal (DAPO dynamic sampling)
     env: str = ""                 # "" single-turn RLVR, else an environment name
     env_redundancy: int = 0       # extra trajectories per env group; the first G to finish are kept
-    timeout_s: float = 600.0      # max wait for a sample or an ack
+    timeout_s: float = 600.0      # max wait for a sample or an ack; also: no new ready group for this long = a stall
+    max_model_len: int = 0        # engine context, tokens: single-turn prompts that leave no room are refused (0: no check)
+    heartbeat_s: float = 10.0     # while collecting a step, a progress line this often (given a log), seconds
 
     def __post_init__(self):
         for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
@@ -75,7 +77,7 @@ class ControllerConfig:
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
-        if self.filter_equal and self.group_size < 2:
+        if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample always has "
                              f"all-equal rewards, so every group would be filtered and no batch could form; "
                              f"use --group-size >= 2")
@@ -87,19 +89,22 @@ class ControllerConfig:
 
 class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
-                 version: int = 0):
+                 version: int = 0, prompt_len=None, log=None):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
         self.num_ranks = num_rollout_ranks
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
-        self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_equal)
+        self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups)
         self.groups_admitted = 0
         self.groups_taken = 0
         self.groups_drawn = 0                  # problems taken from the stream (the data position)
         self.problem_of: dict[str, Problem] = {}   # unresolved groups' problems (a lost one is re-admitted)
-        self.readmit: collections.deque[Problem] = collections.deque()   # problems whose group died with an engine
+        self.readmit: collections.deque[Problem] = collections.deque()   # problems to admit again first
+        self.prompt_len = prompt_len           # (Problem) -> its prompt's tokens as the engine will see them
+        self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
+        self.prompts_rejected = 0
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
@@ -120,15 +125,32 @@ class AsyncController:
         steps = self.version - self.version0 + self.cfg.async_ratio + 1   # batches this controller may have out
         return steps * self.cfg.batch_groups + self.cfg.redundant - alive
 
+    def _next_problem(self) -> Problem:
+        """The next prompt to admit: one to run again first, else the stream's next that fits the
+        engine's context (single-turn: the prompt's tokens are known here; a multi-turn env's first
+        observation is not). A prompt that cannot fit is refused, counted and logged, not retried."""
+        if self.readmit:
+            return self.readmit.popleft()
+        for _ in range(10_000):
+            problem = next(self.problems)
+            self.groups_drawn += 1
+            if not (self.prompt_len and self.cfg.max_model_len and not self.cfg.env):
+                return problem
+            n = self.prompt_len(problem)
+            if n < self.cfg.max_model_len:
+                return problem
+            self.prompts_rejected += 1
+            if self.log and self.prompts_rejected & (self.prompts_rejected - 1) == 0:    # the 1st, 2nd, 4th, 8th...
+                self.log(f"refused a prompt of {n} tokens (the engine's context is {self.cfg.max_model_len}; "
+                         f"{self.prompts_rejected} refused so far): {problem.prompt[:120]!r}")
+        raise ValueError(f"{self.buffer.who}: 10000 prompts in a row are longer than the engine's context "
+                         f"({self.cfg.max_model_len} tokens); raise --max-model-len or shorten the data")
+
     async def admit(self) -> int:
         n = max(0, self.admission_capacity())
         tasks = []
         for _ in range(n):
-            if self.readmit:
-                problem = self.readmit.popleft()
-            else:
-                problem = next(self.problems)
-                self.groups_drawn += 1
+            problem = self._next_problem()
             gid = f"g{next(self._gid)}"
             tasks_per_group = self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
             if self.cfg.replicate:
@@ -151,19 +173,23 @@ class AsyncController:
         self.step_rewards = []
         await self.admit()
         ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
+        t_beat = now()
         while True:
             enough = asm.num_ready() >= cfg.batch_groups
             if enough and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
                 break
             if asm.num_ready() > ready:
                 ready, t_progress = asm.num_ready(), now()
+            if self.log and now() - t_beat >= cfg.heartbeat_s:
+                t_beat = now()
+                self.log(self._heartbeat(before, now() - t0))
             waited = now() - t_progress
+            if waited > cfg.timeout_s:
+                raise TimeoutError(self._stall_report(before))
             try:
-                if waited > cfg.timeout_s:
-                    raise TimeoutError
-                s = await self.buffer.get_sample(timeout=cfg.timeout_s - waited)
+                s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s))
             except TimeoutError:
-                raise TimeoutError(self._stall_report(before)) from None
+                continue                                 # a heartbeat, or the stall report, above
             closed_before, alive_before = len(asm.closed), s.group_id not in asm.dead
             asm.add(s, self.version)
             self.failed_received += s.failed
@@ -173,16 +199,18 @@ class AsyncController:
                 await self._abort_groups([s.group_id])   # lost (given up, or stale): stop its other samples
                 if s.meta.get("engine_lost") and s.group_id in self.problem_of:
                     self.readmit.append(self.problem_of[s.group_id])   # not the prompt's fault: run it again
-            if s.group_id in asm.dead or s.group_id in asm.closed:
-                self.problem_of.pop(s.group_id, None)
             elif cfg.env and cfg.env_redundancy and len(asm.closed) > closed_before:
                 await self._abort_groups([s.group_id])   # redundant env rollout: the rest is surplus
+            if s.group_id in asm.dead or (s.group_id in asm.closed and not asm.is_ready(s.group_id)):
+                self.problem_of.pop(s.group_id, None)    # lost or filtered: no longer a prompt in flight
             # lost groups free admission capacity: queue mode refills at once; batch mode only
             # starts another round once the whole round is in (its barrier)
             if cfg.rollout_mode == "queue" or self._all_admitted_done():
                 await self.admit()
         groups = asm.take(cfg.batch_groups, self.version)
         self.groups_taken += len(groups)
+        for g in groups:
+            self.problem_of.pop(g[0].group_id, None)
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups if g[0].group_id in self.trained_groups)
@@ -197,11 +225,23 @@ class AsyncController:
             "groups_filtered": asm.groups_filtered - before["filtered"],
             "samples_failed": asm.samples_failed - before["failed"],
             "samples_surplus": asm.samples_surplus - before["surplus"],
-            "samples_duplicate": duplicate,
+            "samples_duplicate": duplicate, "prompts_rejected": self.prompts_rejected,
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
         }
         return batch, info
+
+    def _heartbeat(self, before: dict, elapsed: float) -> str:
+        asm = self.asm
+        return (f"  collecting step {self.version - self.version0 + 1} for {elapsed:.0f}s: {asm.num_ready()}/"
+                f"{self.cfg.batch_groups} groups ready, {len(self.step_rewards)} samples in, "
+                f"{asm.samples_failed - before['failed']} failed, {asm.groups_filtered - before['filtered']} groups "
+                f"filtered, {self.buffer.num_queued_tasks()} tasks queued")
+
+    def in_flight_problems(self) -> list[Problem]:
+        """Prompts admitted and not yet trained or lost, oldest first: a checkpoint keeps them, so
+        a resumed run admits them again instead of skipping them."""
+        return list(self.readmit) + list(self.problem_of.values())
 
     def _stall_report(self, before: dict) -> str:
         """Why no batch could form: what happened to the samples of this step, with an example."""

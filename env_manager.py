@@ -79,20 +79,21 @@ Simplifications and deviations, on purpose:
   aborted group is dropped when pulled (counted as tasks_skipped) instead of being generated.
 - A prompt that leaves no room for one token under max_total_tokens is an env failure (retried,
   pointlessly, up to max_retries: it is a data error and the failed samples make it visible).
-- Observations are tokenized with add_special_tokens=False; chat templates are out of scope.
+- Text becomes tokens through envs.PromptFormat: the tokenizer's chat template when it has one (a
+  user message per observation, the model's turns as assistant messages), else plain encoding.
 """
 
 import asyncio
 import collections
 import hashlib
 import math
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
 from config import flag
-from envs import ENVS
+from envs import ENVS, PromptFormat
 from proxy import EngineError, Sampling, Status, now
+from task import RewardPool, load_reward
 
 
 @dataclass
@@ -104,9 +105,12 @@ class RolloutConfig:
     suspend_mode: str = "keep"         # weight update under running requests: "keep" or "abort" (proxy.suspend)
     env_step_timeout_s: float = 30.0   # an env step (or reset) slower than this fails the trajectory, seconds
     max_retries: int = 2               # a failed trajectory is replaced (rerun with a fresh env) up to this many times
-    reward_workers: int = 0            # >0: single-turn rewards computed in a ProcessPoolExecutor of this size; 0: inline
+    reward_workers: int = 0            # >0: single-turn rewards in a task.RewardPool of this many processes; 0: inline
+    reward: str = ""                   # the verifier: "" = task.reward; "module:function" = (problem, response) -> float
+    reward_timeout_s: float = 10.0     # a verifier call slower than this (in the pool) scores 0 and its worker is replaced
     max_turns: int = 8                 # multi-turn cap, model turns per trajectory
-    max_total_tokens: int = 120        # prompt + whole trajectory cap, tokens (tiny model: max_model_len 128)
+    max_total_tokens: int = 120        # prompt + whole trajectory cap, tokens (the engine's context: max_model_len)
+    chat_template: bool = True         # observations through the tokenizer's chat template, when it has one
     poll_s: float = 0.01               # control loop period: command and task queue polling, seconds
     sync_timeout_s: float = 600.0      # a whole weight sync (suspend to SYNCED ack) longer than this is an error, seconds
     stop_timeout_s: float = 60.0       # on stop/crash, wait this long for cancelled trajectories to unwind, seconds
@@ -120,11 +124,18 @@ class RolloutConfig:
         for name in ("async_ratio", "max_retries", "reward_workers"):
             if getattr(self, name) < 0:
                 raise bad(name, ">= 0")
-        for name in ("temperature", "env_step_timeout_s", "poll_s", "sync_timeout_s", "stop_timeout_s"):
+        for name in ("temperature", "env_step_timeout_s", "poll_s", "sync_timeout_s", "stop_timeout_s",
+                     "reward_timeout_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, "> 0")
         if self.suspend_mode not in ("keep", "abort"):
             raise bad("suspend_mode", "'keep' or 'abort'")
+
+
+def inline_reward(fn):
+    async def call(problem, response):
+        return float(fn(problem, response))
+    return call
 
 
 def env_seed(group_id: str) -> int:
@@ -180,7 +191,7 @@ class Trajectory:
             self.versions += versions
 
 
-async def run_trajectory(proxy, new_env, tokenizer, cfg: RolloutConfig, task: RolloutTask, index: int = 0, *,
+async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, index: int = 0, *,
                          on_attempt=None, on_failure=None) -> Sample | None:
     """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
     and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
@@ -191,7 +202,7 @@ async def run_trajectory(proxy, new_env, tokenizer, cfg: RolloutConfig, task: Ro
         if on_attempt is not None:
             on_attempt(index, traj)
         try:
-            return await rollout_once(proxy, new_env(), tokenizer, cfg, task, traj, tag=f"{index}-a{attempt}",
+            return await rollout_once(proxy, new_env(), fmt, cfg, task, traj, tag=f"{index}-a{attempt}",
                                       meta={"attempt": attempt, "sample_index": index})
         except EnvFailure as e:
             if on_failure is not None:
@@ -203,7 +214,7 @@ async def run_trajectory(proxy, new_env, tokenizer, cfg: RolloutConfig, task: Ro
     return None
 
 
-async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
+async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
                        tag: str = "0", meta: dict | None = None) -> Sample:
     """reset -> (generate -> step)* -> Sample, filling `traj` as it goes. Raises EnvFailure when an
     env call raises or times out, Aborted when someone else aborted the engine request."""
@@ -220,7 +231,7 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
             raise EnvFailure(f"{where} {phase} (task {task.task_id}) raised {e!r}") from e
 
     obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
-    traj.prompt_ids = tokenizer.encode(obs)
+    traj.prompt_ids = fmt.first(obs)
     cap = cfg.max_total_tokens
     if len(traj.prompt_ids) >= cap:
         raise EnvFailure(f"rollout rank {proxy.rank}: task {task.task_id}: prompt of {len(traj.prompt_ids)} "
@@ -237,14 +248,14 @@ async def rollout_once(proxy, env, tokenizer, cfg: RolloutConfig, task: RolloutT
         if c.finish_reason == "abort":
             raise Aborted(f"rollout rank {proxy.rank}: task {task.task_id} turn {turn} aborted")
         traj.add(c.token_ids, c.logprobs, c.versions)
-        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)   # EOS: trained on, not shown to env
+        text = fmt.decode(c.token_ids)     # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
         traj.reward += r
         traj.num_turns += 1
         if done:
             traj.finish_reason = c.finish_reason
             break
-        obs_ids = tokenizer.encode(obs, add_special_tokens=False)
+        obs_ids = fmt.next(obs, ended_with_eos=c.finish_reason == "stop")
         if turn == cfg.max_turns - 1 or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap:
             break                  # no turn left, or no room for the observation and one more action token
         traj.add(obs_ids)
@@ -263,7 +274,7 @@ class EnvManager:
                  restart_engine=None, num_ranks: int | None = None):
         self.proxy = proxy
         self.buffer = buffer
-        self.tok = tokenizer
+        self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
         self.rank = rank
         self.cfg = cfg
         # rollout ranks pulling from the same task queue; None: one per command queue of the transport
@@ -278,7 +289,8 @@ class EnvManager:
         self.weights: list | None = None        # the last weights received (reloaded into a restarted engine)
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
-        self.pool = ProcessPoolExecutor(cfg.reward_workers) if cfg.reward_workers > 0 else None
+        self.pool = RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s) if cfg.reward_workers > 0 else None
+        self.reward_fn = self.pool.score if self.pool else inline_reward(load_reward(cfg.reward)) if cfg.reward else None
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
         self.aborted_groups: set[str] = set()
@@ -334,7 +346,7 @@ class EnvManager:
     async def _close(self):
         await self._abort(list(self.jobs), "aborted_at_stop")
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown()
 
     async def _handle(self, cmd: Command) -> bool:
         """Run one command; True means stop."""
@@ -489,7 +501,7 @@ class EnvManager:
         live = self.trajs[t.task_id]            # index -> the attempt running now, for aborts and staleness
 
         def one(i):
-            return run_trajectory(self.proxy, lambda: self._make_env(t), self.tok, self.cfg, t, i,
+            return run_trajectory(self.proxy, lambda: self._make_env(t), self.fmt, self.cfg, t, i,
                                   on_attempt=live.__setitem__, on_failure=self._report_failure)
         if t.num_samples == 1:     # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
@@ -524,5 +536,5 @@ class EnvManager:
         if t.env not in ENVS:
             raise ValueError(f"rollout rank {self.rank}: task {t.task_id} asks for env {t.env!r}; "
                              f"known: {sorted(ENVS)}")
-        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_executor=self.pool, **self.env_kwargs)
+        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_fn=self.reward_fn, **self.env_kwargs)
         return self.env_wrappers(env) if self.env_wrappers else env

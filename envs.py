@@ -45,19 +45,18 @@ import task
 class SingleTurnEnv:
     """One step: the prompt, one answer, the verifier reward in [0, 1], done."""
 
-    def __init__(self, problem: task.Problem, reward_executor=None):
+    def __init__(self, problem: task.Problem, reward_fn=None):
         self.problem = problem
-        self.reward_executor = reward_executor   # a ProcessPoolExecutor, or None to score inline
+        self.reward_fn = reward_fn      # async (problem, response) -> float (task.RewardPool.score); None: inline
 
     async def reset(self, seed: int) -> str:
         return self.problem.prompt
 
     async def step(self, action: str) -> tuple[str, float, bool, dict]:
-        if self.reward_executor is None:
+        if self.reward_fn is None:
             r = task.reward(self.problem, action)
-        else:  # a slow verifier (math-verify) must not hold up the event loop, hence the engine
-            r = await asyncio.get_running_loop().run_in_executor(
-                self.reward_executor, task.reward, self.problem, action)
+        else:   # a slow verifier (math-verify) must not hold up the event loop, hence the engine
+            r = await self.reward_fn(self.problem, action)
         return "", r, True, {}
 
 
@@ -179,11 +178,61 @@ class FaultyEnv:
 
 
 # ---------------------------------------------------------------------------------------------
+# observations -> tokens: plain, or through the tokenizer's chat template
+
+
+class PromptFormat:
+    """How env text becomes model tokens (env_manager, and the controller's length check).
+
+    Plain: the first observation is tokenizer.encode(text), a later one encode(text) without special
+    tokens. With a chat template (the tokenizer has one, and use_template): the first observation is
+    a user message followed by the assistant's generation prompt; a later one closes the model's
+    turn (what the template puts after an assistant message, less the EOS the model generated
+    itself), then adds a user message and a new generation prompt. The pieces are read off the
+    template once, by rendering a conversation with marker strings, so any template whose rendering
+    of a longer conversation extends that of a shorter one works (the usual case: ChatML, Llama).
+    """
+
+    def __init__(self, tokenizer, use_template: bool = True):
+        self.tok = tokenizer
+        self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
+        if self.chat:
+            x, y, o = "\x01X\x01", "\x01Y\x01", "\x01O\x01"
+            one = [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
+            a = tokenizer.apply_chat_template(one, tokenize=False)
+            b = tokenizer.apply_chat_template(one + [{"role": "user", "content": o}], tokenize=False,
+                                              add_generation_prompt=True)
+            if not b.startswith(a) or y not in a or o not in b:
+                raise ValueError("the tokenizer's chat template renders a longer conversation differently from a "
+                                 "shorter one; pass --no-chat-template")
+            self.close_turn = a[a.index(y) + len(y):]               # e.g. "<|im_end|>\n"
+            self.user_pre, self.user_post = b[len(a):].split(o)       # e.g. "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+            self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+
+    def first(self, text: str) -> list[int]:
+        if not self.chat:
+            return self.tok.encode(text)
+        return list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False))
+
+    def next(self, text: str, ended_with_eos: bool) -> list[int]:
+        if not self.chat:
+            return self.tok.encode(text, add_special_tokens=False)
+        close = self.close_turn
+        if ended_with_eos and self.eos_text and close.startswith(self.eos_text):
+            close = close[len(self.eos_text):]                        # the model wrote its EOS itself
+        return self.tok.encode(close + self.user_pre + text + self.user_post, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # name -> factory(problem, seed, **kwargs); RolloutTask.env picks one. Unknown kwargs are ignored,
-# so env_manager can pass the same kwargs (reward_executor) to every factory.
+# so env_manager can pass the same kwargs (reward_fn) to every factory.
 
 ENVS = {
-    "": lambda problem, seed, reward_executor=None, **kw: SingleTurnEnv(problem, reward_executor),
+    "": lambda problem, seed, reward_fn=None, **kw: SingleTurnEnv(problem, reward_fn),
     "guess": lambda problem, seed, **kw: GuessEnv(),
     "chain": lambda problem, seed, **kw: ChainEnv(),
 }

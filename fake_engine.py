@@ -185,7 +185,7 @@ class FakeTimedEngine:
         return self.running.pop(eid)
 
     # --- backend calls (see proxy.VLLMEngine)
-    async def stream(self, request_id, prompt_token_ids, sampling):
+    async def stream(self, request_id, prompt_token_ids, sampling, cache_salt=None):   # (no prefix cache here)
         if self.hang:
             await asyncio.Event().wait()        # never answers
         script = self.respond(list(prompt_token_ids)) if self.respond else None

@@ -138,10 +138,13 @@ class VLLMEngine:
         self.llm = llm
 
     @classmethod
-    def start(cls, model_dir: str, max_model_len: int = 128, max_num_seqs: int = 64,
-              kv_cache_gib: int = 1, seed: int = 0, cpu_cores: str = "", **engine_kwargs) -> "VLLMEngine":
-        # On CPU, vLLM sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); the default is large.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
+              kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.85, dtype: str = "float32",
+              seed: int = 0, cpu_cores: str = "", **engine_kwargs) -> "VLLMEngine":
+        """max_model_len None: the model's own (max_position_embeddings). dtype float32 on CPU keeps
+        engine and trainer logprobs equal to ~1e-6; GPUs run bfloat16. KV cache: kv_cache_gib on CPU
+        (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU."""
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
         # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
         # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins.
@@ -157,15 +160,18 @@ class VLLMEngine:
         # (vLLM's CPU platform always runs the model in a worker process separate from the engine
         # core, even for one worker; the two hand over through a shared-memory queue that spins with
         # sched_yield. Both inherit this rank's core, so the spinning yields to generation.)
+        import torch
+        if torch.cuda.is_available():
+            engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
         args = AsyncEngineArgs(
-            model=str(model_dir), dtype="float32", max_model_len=max_model_len,
+            model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
             worker_extension_cls="proxy.WeightLoaderExtension", disable_log_stats=True,
             **engine_kwargs)
         return cls(AsyncLLM.from_engine_args(args))
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
-                     ) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
+                     cache_salt: str | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -173,7 +179,10 @@ class VLLMEngine:
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             ignore_eos=sampling.ignore_eos, seed=sampling.seed, logprobs=0,
             output_kind=RequestOutputKind.DELTA)
-        async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+        prompt = {"prompt_token_ids": prompt_token_ids}
+        if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
+            prompt["cache_salt"] = cache_salt
+        async for out in self.llm.generate(prompt, params, request_id):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
             yield list(o.token_ids), lps, (o.finish_reason if out.finished else None)
@@ -191,8 +200,9 @@ class VLLMEngine:
         for data in buckets:
             await self.llm.collective_rpc("stage_weights", args=(data,))
         await self.llm.collective_rpc("apply_staged_weights")
-        # new requests must not reuse prefix-cache KV computed with the old weights
-        await self.llm.reset_prefix_cache()
+        # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
+        # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
+        # kept requests hold blocks, so a reset here would not do it)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` given the ones before it (first token: none)."""
@@ -348,7 +358,8 @@ class LLMProxy:
     async def _consume(self, eid: str, prompt: list[int], sampling: Sampling, c: Completion) -> str:
         """Read one engine request's stream into `c`; returns its finish reason. No per-token timer:
         the proxy's watchdog notices an engine that stops producing (see _watchdog)."""
-        stream = self.engine.stream(eid, prompt, sampling)
+        # the version as cache salt: a new request never reuses prompt KV computed with older weights
+        stream = self.engine.stream(eid, prompt, sampling, cache_salt=f"v{self.version}")
         try:
             async for token_ids, logprobs, reason in stream:
                 self._last_progress = now()

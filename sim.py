@@ -101,7 +101,7 @@ class SimConfig:
     redundant: int = 0              # extra prompts admitted per step (dynamic filtering head start)
     replicate: bool = True          # prompt replication
     rollout_mode: str = "queue"     # "queue" or "batch"
-    filter_equal: bool = True       # DAPO dynamic filtering of all-equal-reward groups
+    filter_groups: bool = True       # DAPO dynamic filtering of all-equal-reward groups
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
     # workload: RLVR on an 8B base model, 8k cap. The paper: the longest responses exceed the median by more
@@ -289,7 +289,7 @@ def demand(cfg: SimConfig) -> tuple[float, float, float]:
     key = tuple(getattr(cfg, f) for f in ("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens",
                                           "prompt_median", "prompt_sigma", "prompt_cap", "chunk", "turns"))
     response, per_sample, ctx, ps = _demand(key)
-    g = cfg.group_size if cfg.filter_equal else 0
+    g = cfg.group_size if cfg.filter_groups else 0
     q = statistics.fmean(p ** g + (1 - p) ** g for p in ps) if g else 0.0
     return cfg.batch_groups * cfg.group_size * response / (1 - q), per_sample, ctx
 
@@ -441,7 +441,7 @@ def simulate(cfg: SimConfig) -> dict:
         raise ValueError("a colocated run is synchronous: async_ratio must be 0")
     if cfg.lockstep not in ("", "engine", "batch"):
         raise ValueError(f"lockstep must be '', 'engine' or 'batch', got {cfg.lockstep!r}")
-    if cfg.lockstep and (cfg.async_ratio or cfg.filter_equal or cfg.redundant or cfg.env_redundancy or cfg.fail_rate
+    if cfg.lockstep and (cfg.async_ratio or cfg.filter_groups or cfg.redundant or cfg.env_redundancy or cfg.fail_rate
                          or cfg.batch_groups * cfg.group_size != cfg.rollout_gpus * cfg.max_concurrency):
         raise ValueError("lockstep: needs a synchronous run whose batch fills every engine exactly "
                          "(B*G == R*max_concurrency), no filtering, no redundancy, no failures")
@@ -457,7 +457,7 @@ def simulate(cfg: SimConfig) -> dict:
 
 RLVR = SimConfig()                                     # the defaults: 8B-class RLVR, 8k cap
 AGENT = SimConfig(env="guess", turns=10, len_median=256, len_sigma=0.5, max_tokens=1024, chunk=32,
-                  reward_s=0.0, reward_std_s=0.0, filter_equal=False, env_mean_s=10.0, env_std_s=10.0,
+                  reward_s=0.0, reward_std_s=0.0, filter_groups=False, env_mean_s=10.0, env_std_s=10.0,
                   max_num_seqs=32, rollout_gpus=8, batch_groups=32, group_size=8, async_ratio=0)
 
 
@@ -537,7 +537,7 @@ def exp_replication(base: SimConfig):
     for w, b, g in cases:
         t = {}
         for rep in (False, True):
-            cfg = colocated(replace(base, batch_groups=b, group_size=g, replicate=rep, filter_equal=False,
+            cfg = colocated(replace(base, batch_groups=b, group_size=g, replicate=rep, filter_groups=False,
                                     steps=2 * base.steps if w == "default" else base.steps - 1,
                                     **(LONG if w == "long" else {})), 8)
             t[rep] = r = simulate(cfg)

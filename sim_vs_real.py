@@ -115,7 +115,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, async_ratio=alpha,
-                            filter_equal=False, timeout_s=300)
+                            filter_groups=False, timeout_s=300)
     ctrl = AsyncController(ccfg, buffer, bench.problems(args.seed, args.median_len, 1.0, 110), len(proxies),
                            version=proxies[0].version)
 

@@ -11,16 +11,25 @@ show. The reward is 1.0 for an exact answer and 0.0 otherwise, which is the veri
 of the paper (RLVR).
 
 Real models pass `--data PATH`: JSONL or parquet rows with a prompt and an answer, rewarded with
-math-verify (the checker the ROLL and DAPO recipes use for math).
+math-verify (the checker the ROLL and DAPO recipes use for math); or `--task NAME`: a procedural task
+from reasoning-gym, scored by its own verifier; or `--reward module:function` for a verifier of
+one's own, `function(problem: Problem, response: str) -> float in [0, 1]`.
+
+Verifiers run in RewardPool's worker processes (env_manager): off the rollout rank's event loop, and
+under a timeout that really interrupts, since a stuck worker is killed and replaced. The embedded
+addition check, a string comparison, runs inline.
 
 `target_len` (optional, per problem) lets benchmarks draw long-tailed response lengths: the rollout
 side then asks the engine for exactly that many tokens (ignore_eos), so a prompt's generation time
 follows a chosen distribution even though the tiny model's answers are short.
 """
 
+import asyncio
+import importlib
 import json
+import multiprocessing
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -28,8 +37,9 @@ from pathlib import Path
 class Problem:
     prompt: str             # text given to the model
     answer: str             # reference answer the verifier checks against
-    kind: str = "add"       # "add" for the default task, "math" for --data rows
+    kind: str = "add"       # "add": the default task; "math": --data rows; "rg:NAME": a reasoning-gym task
     target_len: int = 0     # >0: benchmark mode, generate exactly this many tokens
+    meta: dict = field(default_factory=dict)   # a verifier's extra input (reasoning-gym: the entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +78,9 @@ def _pick(row: dict, keys: tuple[str, ...], where: str) -> str:
     raise ValueError(f"{where}: row has none of the fields {keys}; fields present: {sorted(row)}")
 
 
-def load_dataset(path: str) -> list[Problem]:
-    """Read JSONL (.jsonl/.json) or parquet rows with a prompt and an answer field.
+def load_dataset(path: str, prompt_key: str = "", answer_key: str = "") -> list[Problem]:
+    """Read JSONL (.jsonl/.json) or parquet rows with a prompt and an answer field (prompt_key and
+    answer_key when given, else the first of PROMPT_KEYS / ANSWER_KEYS present).
 
     A malformed row raises ValueError naming the file and line (row index for parquet)."""
     p = Path(path)
@@ -96,7 +107,8 @@ def load_dataset(path: str) -> list[Problem]:
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
                 rows.append((where, row))
-    problems = [Problem(_pick(r, PROMPT_KEYS, w), _pick(r, ANSWER_KEYS, w), kind="math") for w, r in rows]
+    pk, ak = (prompt_key,) if prompt_key else PROMPT_KEYS, (answer_key,) if answer_key else ANSWER_KEYS
+    problems = [Problem(_pick(r, pk, w), _pick(r, ak, w), kind="math") for w, r in rows]
     if not problems:
         raise ValueError(f"--data {path}: no rows")
     return problems
@@ -114,8 +126,111 @@ def reward_math(response: str, answer: str) -> float:
         return 0.0
 
 
+# ---------------------------------------------------------------------------------------------
+# procedural tasks: reasoning-gym
+
+
+def reasoning_gym_maker(name: str, seed: int):
+    """make(rng) -> Problem for controller.problem_stream: entries of reasoning-gym's task `name`,
+    drawn by the stream's rng from a dataset generated with `seed` (a different seed: a held-out set)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("--task needs reasoning-gym (pip install reasoning-gym)") from e
+    try:
+        ds = reasoning_gym.create_dataset(name, size=100_000, seed=seed)
+    except Exception as e:
+        raise ValueError(f"--task {name!r}: not a reasoning-gym task ({e})") from None
+
+    def make(rng: random.Random) -> Problem:
+        entry = ds[rng.randrange(len(ds))]
+        return Problem(entry["question"], str(entry["answer"]), kind=f"rg:{name}", meta={"entry": entry})
+    return make
+
+
 def reward(problem: Problem, response: str) -> float:
     """Verifier reward in [0, 1] for one response text."""
     if problem.kind == "add":
         return reward_add(response, problem.answer)
+    if problem.kind.startswith("rg:"):
+        import reasoning_gym
+        score = reasoning_gym.get_score_answer_fn(problem.kind[3:])
+        return float(score(answer=response, entry=problem.meta["entry"]))
     return reward_math(response, problem.answer)
+
+
+def load_reward(spec: str):
+    """--reward: "" -> reward(); "module:function" -> that function (problem, response) -> float."""
+    if not spec:
+        return reward
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--reward {spec!r}: cannot load it ({e}); expected module:function") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r}: not a function")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# verifiers in worker processes, with a timeout that interrupts
+
+
+def _reward_worker(conn, spec: str):
+    fn = load_reward(spec)
+    while True:
+        problem, response = conn.recv()
+        try:
+            conn.send(float(fn(problem, response)))
+        except Exception as e:          # a verifier that raises scores 0; say why
+            conn.send(e)
+
+
+class RewardPool:
+    """`workers` verifier processes. score() sends one call to an idle worker and waits at most
+    timeout_s: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
+    (counted in `timeouts`): a pathological input cannot hang the rank. Workers are spawned (not
+    forked: the rollout rank has threads) and end with the pool, or with this process."""
+
+    def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0):
+        if workers < 1 or timeout_s <= 0:
+            raise ValueError(f"RewardPool: need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.spec, self.timeout_s = spec, timeout_s
+        self.ctx = multiprocessing.get_context("spawn")
+        self.idle: asyncio.Queue | None = None      # made on first use, on the caller's event loop
+        self.workers = workers
+        self.timeouts = self.errors = 0
+
+    def _start(self):
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=_reward_worker, args=(child, self.spec), daemon=True)
+        p.start()
+        return p, parent
+
+    async def score(self, problem: Problem, response: str) -> float:
+        if self.idle is None:
+            self.idle = asyncio.Queue()
+            for _ in range(self.workers):
+                self.idle.put_nowait(self._start())
+        proc, conn = await self.idle.get()
+        try:
+            conn.send((problem, response))
+            out = await asyncio.wait_for(asyncio.to_thread(conn.recv), self.timeout_s)
+        except (asyncio.TimeoutError, EOFError, OSError):
+            proc.kill()                                 # stuck (or died): replace it
+            proc.join(5)
+            proc, conn = self._start()
+            self.timeouts += 1
+            return 0.0
+        finally:
+            self.idle.put_nowait((proc, conn))
+        if isinstance(out, Exception):
+            self.errors += 1
+            return 0.0
+        return out
+
+    def shutdown(self):
+        while self.idle is not None and not self.idle.empty():
+            proc, _ = self.idle.get_nowait()
+            proc.kill()

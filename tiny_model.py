@@ -51,6 +51,13 @@ class TinyConfig:
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
 
+# A chat template so the chat path (envs.PromptFormat) runs on the embedded model too. It renders a
+# conversation as the plain text the model was warm-started on: a user turn is its text, an assistant
+# turn its text + <eos>, no generation prompt; so "37+485=" stays "37+485=", and a multi-turn game
+# stays action<eos>observation. Not part of the build hash: an older build gets it added in place.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}"
+                 "{% endfor %}")
+
 
 def build_tokenizer():
     """Character-level tokenizer: every character is a token; decode concatenates."""
@@ -61,8 +68,10 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token=None, unk_token="<pad>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_model(cfg: TinyConfig):
@@ -136,6 +145,10 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
     out_dir = Path(out_dir)
     meta_path = out_dir / "build.json"
     if not force and meta_path.exists() and json.loads(meta_path.read_text()).get("hash") == _build_hash(cfg):
+        template = out_dir / "chat_template.jinja"
+        if not template.exists():          # a build from before the template: add it (atomically)
+            template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
+            os.replace(template.with_suffix(".tmp"), template)
         return out_dir
 
     t0 = time.time()

@@ -54,8 +54,14 @@ class Config:
     rollout_gpus: int = opt(1, "ranks that run a vLLM engine (one GPU each; on CPU one core each)")
     train_gpus: int = opt(1, "ranks that train (FSDP2 across them)")
     model: str = opt("", "HF model dir; empty = the embedded tiny model (built on first use)")
-    data: str = opt("", "JSONL/parquet with prompt + answer rows; empty = generated addition problems")
+    data: str = opt("", "JSONL/parquet with prompt + answer rows, scored by math-verify; empty = see --task")
+    prompt_key: str = opt("", "--data: the prompt's field (default: the first of prompt, question, problem)")
+    answer_key: str = opt("", "--data: the answer's field (default: the first of answer, solution, ground_truth)")
+    task: str = opt("", "a reasoning-gym task (e.g. basic_arithmetic), its own verifier; empty with no --data = "
+                        "the embedded addition task")
+    reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the task's")
     env: str = opt("", "multi-turn environment name (env_manager/envs); empty = single-turn RLVR")
+    chat_template: bool = opt(True, "prompts and observations through the tokenizer's chat template, if it has one")
     out_dir: str = opt("runs/default", "metrics.jsonl and checkpoint/ go here")
     resume: str = opt("no", "continue from out_dir/checkpoint (step, version, data position, optimizer): no | yes "
                              "(--resume alone) | auto (if there is one; for torchrun --max-restarts)", const="yes")
@@ -70,12 +76,19 @@ class Config:
     rollout_mode: str = opt("queue", "queue (per-sample scheduling) | batch (barrier baseline)")
     replicate: bool = opt(True, "prompt replication: a prompt's samples spread over all engines")
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
-    max_tokens: int = opt(8, "response tokens per model turn")
-    max_concurrency: int = opt(64, "trajectories in flight per rollout rank")
+    max_tokens: int = opt(0, "response tokens per model turn; 0 = 8 for the embedded model, else 1024")
+    max_model_len: int = opt(0, "engine context (prompt + whole trajectory), tokens; 0 = the model's own")
+    dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
+    kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
+    gpu_memory_utilization: float = opt(0.85, "GPU: the share of a rollout GPU's memory its engine may take")
+    max_concurrency: int = opt(64, "trajectories in flight per rollout rank (also the engine's batch size)")
+    filter_groups: bool = opt(True, "dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     env_redundancy: int = opt(0, "multi-turn: extra trajectories per group; the first group-size to finish are kept")
     env_step_timeout_s: float = opt(30.0, "an env reset/step (or reward) slower than this fails the trajectory")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
-    reward_workers: int = opt(0, "single-turn rewards in a process pool of this size; 0 = on the event loop")
+    reward_workers: int = opt(-1, "verifier processes per rollout rank; 0 = on its event loop; -1 = 0 for the "
+                                  "embedded addition check, else 1")
+    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is replaced)")
     env_fail_rate: float = opt(0.0, "testing: inject env failures, the chance an env call raises")
     env_hang_rate: float = opt(0.0, "testing: inject env hangs, the chance an env call never returns")
     env_latency_s: float = opt(0.0, "testing: inject env latency, normal(mean=this, std=this) per call, seconds")
@@ -100,6 +113,13 @@ class Config:
                              f"need rates >= 0 that sum to <= 1")
         if self.env_latency_s < 0:
             raise ValueError(f"--env-latency-s must be >= 0, got {self.env_latency_s}")
+        if self.max_tokens < 0 or self.max_model_len < 0 or self.reward_workers < -1:
+            raise ValueError("--max-tokens and --max-model-len must be >= 0 (0 = from the model), "
+                             "--reward-workers >= -1 (-1 = auto)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.data and self.task:
+            raise ValueError("--data and --task: pick one source of problems")
         if self.save_every < 0 or self.check_sync_every < 0:
             raise ValueError(f"--save-every and --check-sync-every must be >= 0, got {self.save_every}, "
                              f"{self.check_sync_every}")
@@ -110,7 +130,20 @@ class Config:
         return sub_config(ControllerConfig, self)
 
     def rollout_config(self) -> RolloutConfig:
-        return sub_config(RolloutConfig, self, sync_timeout_s=self.timeout_s)
+        # (0 / -1 = from the model or the task, resolved by resolved(); placeholders validate the rest until then)
+        return sub_config(RolloutConfig, self, sync_timeout_s=self.timeout_s, max_tokens=self.max_tokens or 1,
+                          max_total_tokens=self.max_model_len or 120, reward_workers=max(self.reward_workers, 0))
+
+    def resolved(self, model_dir: str, device: str) -> "Config":
+        """The settings that default to the model's, the task's and the device's own."""
+        from transformers import AutoConfig
+        embedded = not self.model
+        return dataclasses.replace(
+            self, max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
+            max_tokens=self.max_tokens or (8 if embedded else 1024),
+            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32"),
+            reward_workers=self.reward_workers if self.reward_workers >= 0 else
+            (0 if not (self.data or self.task or self.reward) else 1))
 
     def train_config(self) -> TrainConfig:
         return sub_config(TrainConfig, self)
@@ -289,6 +322,7 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     import task
     from buffer import ManagerQueues, SampleBuffer
     from controller import AsyncController, problem_stream
+    from envs import PromptFormat
     from losses import group_advantages
     from trainer import Trainer, broadcast_weights, weight_meta
     from transformers import AutoTokenizer
@@ -304,11 +338,16 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 
     host, port, key = buffer_addr
     buffer = SampleBuffer(ManagerQueues.serve(host, port, key, cfg.rollout_gpus), "trainer rank 0", cfg.timeout_s)
-    problems = task.load_dataset(cfg.data) if cfg.data else None
+    problems = task.load_dataset(cfg.data, cfg.prompt_key, cfg.answer_key) if cfg.data else None
+    make = task.reasoning_gym_maker(cfg.task, cfg.seed) if cfg.task else task.make_problem
     data_pos = state["data_position"] if state else 0
-    stream = problem_stream(problems, cfg.seed, data_pos, make=task.make_problem)
+    stream = problem_stream(problems, cfg.seed, data_pos, make=make)
+    fmt = PromptFormat(AutoTokenizer.from_pretrained(model_dir), cfg.chat_template)   # as the rollout ranks render prompts
     ctrl = AsyncController(cfg.controller_config(), buffer, stream, cfg.rollout_gpus,
-                           version=state["version"] if state else 0)
+                           version=state["version"] if state else 0, prompt_len=lambda p: len(fmt.first(p.prompt)),
+                           log=print0)
+    if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
+        ctrl.readmit.extend(task.Problem(**p) for p in state.get("in_flight", []))
     log = RunLog(cfg)
     bucket_bytes = cfg.bucket_mb << 20
 
@@ -333,7 +372,8 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
                 # data position = problems drawn so far: groups admitted but not yet trained are skipped on resume
                 ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
-                            "data_position": data_pos + ctrl.groups_drawn})
+                            "data_position": data_pos + ctrl.groups_drawn,
+                            "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()]})
         last = await ctrl.finish_sync()                                        # the last sync's acks
         if last.get("sync_probe_max_diff") is not None:
             print0(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}")
@@ -389,7 +429,9 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
     cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
     start_engine = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=cores,
-                                     max_num_seqs=cfg.max_concurrency)
+                                     max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len,
+                                     dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
@@ -509,13 +551,15 @@ def main():
             model_dir = str(tiny_model.DEFAULT_DIR)
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
+        cfg = cfg.resolved(model_dir, device)
         if rank == 0:
             if state:
                 trim_metrics(cfg.out_dir, state["step"])
             else:
                 (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
             print0(f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, "
-                   f"model {model_dir}, async ratio {cfg.async_ratio}, loss {cfg.loss}, device {device}"
+                   f"model {model_dir} (context {cfg.max_model_len}, {cfg.dtype}, up to {cfg.max_tokens} tokens a turn), "
+                   f"async ratio {cfg.async_ratio}, loss {cfg.loss}, device {device}"
                    + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]

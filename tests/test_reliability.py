@@ -94,7 +94,7 @@ def test_resume_with_no_checkpoint_and_unwritable_out_dir(tmp_path):
 def test_resume_trims_metrics_rows_past_the_checkpoint(tmp_path):
     import train
     out = fake_run_dir(tmp_path, step=10, rows=12)
-    state = train.check_run_dir(train.Config(out_dir=str(out), resume=True, steps=20))
+    state = train.check_run_dir(train.Config(out_dir=str(out), resume="yes", steps=20))
     assert state["step"] == 10
     train.trim_metrics(str(out), state["step"])
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

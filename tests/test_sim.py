@@ -48,7 +48,7 @@ def test_queue_scheduling_beats_batch_rollout_with_redundant_prompts():
 
 def test_dynamic_filtering_has_something_to_filter():
     on = sim.simulate(sim.colocated(replace(TINY, steps=3), 2))
-    off = sim.simulate(sim.colocated(replace(TINY, steps=3, filter_equal=False), 2))
+    off = sim.simulate(sim.colocated(replace(TINY, steps=3, filter_groups=False), 2))
     assert sum(row["groups_filtered"] for row in on["rows"]) > 0
     assert sum(row["groups_filtered"] for row in off["rows"]) == 0
     assert 0.0 < on["rows"][0]["reward_mean"] < 1.0
@@ -109,7 +109,7 @@ def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
     of KV and preempts; replicated, both engines get half of every group, nothing is preempted, and the step's
     generation ends sooner."""
     cfg = sim.colocated(replace(TINY, kv_tokens=3 * 8192, len_median=2000, len_sigma=1.0, len_sigma_prompt=1.0,
-                                len_rho=1.0, filter_equal=False, steps=3), 2)
+                                len_rho=1.0, filter_groups=False, steps=3), 2)
     off = sim.simulate(replace(cfg, replicate=False))
     on = sim.simulate(replace(cfg, replicate=True))
     assert off["preemptions"] > 0
