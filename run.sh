@@ -28,6 +28,8 @@ case "$cmd" in
         exec "$venv/bin/python" -m pytest "$@" ;;
     train)
         "$venv/bin/python" tiny_model.py --quiet
+        # torchrun prints a banner when it has to set this itself; every rank runs one thread on its own core
+        export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         # the default layout for a 2-core machine: one trainer rank and one engine, a core each
         exec "$venv/bin/torchrun" --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1 "$@" ;;
     *)
