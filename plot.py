@@ -205,8 +205,8 @@ class Timeline:
                         a, v = t, nv
                 segs.append([(a - o, yy), (q["t"][1] - o, yy)]), colors.append(cmap(norm(v_last)))
             ax.add_collection(LineCollection(segs, colors=colors, linewidths=max(0.3, min(2.0, 60 / n))))
-            for a, b in self.suspended(r):
-                ax.axvspan(a - o, b - o, ymin=0, ymax=1, color="tab:red", alpha=0.08, lw=0)
+            ax.broken_barh([(a - o, b - a) for a, b in self.suspended(r)], (band_top - h, h + 1.0),   # this rank's rows
+                           color="tab:red", alpha=0.1, lw=0)
             ticks.append(band_top - h / 2), labels.append(f"rank {r} requests\n({n} lanes max)")
             y = band_top - h - 1.0
         ax.set_ylim(y + 0.6, 1.0)

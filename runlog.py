@@ -30,10 +30,10 @@ draws whatever it is given). "ev" says what it is:
     phase      rank, name (engine_start | receive | suspend | load | resume), version, t: [start, end]
     req        rank, t: [start, end], v: [version of its first token, of its last], n: tokens,
                finish: stop | length | abort   (one engine request: a turn of a trajectory)
-    dropped    rank, n: request events a rank dropped (more than RankEvents.cap between two acks)
+    dropped    rank, n: request events a rank dropped (more than its cap, 20,000, between two acks)
     end        t, requests_not_written
 The ranks' events travel to rank 0 in the acks they already send (buffer.Ack.events: SYNCED after
-every weight sync, STOPPED at the end). Size bound: a rank keeps at most RankEvents.cap events
+every weight sync, STOPPED at the end). Size bound: a rank keeps at most 20,000 events
 between two acks (the oldest go first, counted in a "dropped" event), and rank 0 writes at most
 --max-events request events per session (the first ones; later ones are only counted in "end");
 steps and phases, a few per step, are always written. A request event is about 90 bytes: the
@@ -167,13 +167,14 @@ def _round(x):
 
 
 class RankEvents:
-    """A rollout rank's events between two acks (proxy.LLMProxy.events points here)."""
+    """A rollout rank's events between two acks (proxy.LLMProxy.events points here). At most `cap`
+    are kept (a weight sync every few seconds sees a few hundred); past it, the oldest are dropped and
+    counted, so a rank whose acks stop coming holds bounded memory."""
 
-    cap = 20_000      # events kept between two acks; more: the oldest are dropped and counted
-
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, cap: int = 20_000):
         self.rank = rank
-        self.items: deque[dict] = deque(maxlen=self.cap)
+        self.cap = cap
+        self.items: deque[dict] = deque(maxlen=cap)
         self.dropped = 0
 
     def add(self, e: dict):
@@ -311,8 +312,8 @@ class RunLog:
         self.tracker.close()
         print0(self.summary() + (f"\n  {extra}" if extra else ""))
 
-    def summary(self) -> str:
-        rows, t_end = self.rows, time.time()
+    def summary(self, t_end: float | None = None) -> str:
+        rows, t_end = self.rows, t_end or time.time()
         if not rows:
             return f"run ended after {fmt_s(t_end - self.t_start)}: no step completed"
         t_ready = self.t_ready or self.t_start
