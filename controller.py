@@ -104,7 +104,7 @@ class AsyncController:
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
-        # optional runlog.EventLog (add / extend): the timeline's events, None records nothing. The
+        # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()

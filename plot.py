@@ -1,4 +1,4 @@
-"""plot.py: pictures of a run, from its out_dir (metrics.jsonl and events.jsonl, see runlog.py).
+"""plot.py: pictures of a run, from its out_dir (metrics.jsonl and events.jsonl, format in timeline.py).
 
     python plot.py runs/default                          # -> runs/default/metrics.png, timeline.png
     python plot.py runs/r0 --compare runs/r2 --out-dir results/timeline   # + timeline_compare.png

@@ -1,4 +1,4 @@
-"""runlog.py: the record of a run (metrics, timeline events, trackers) and what rank 0 prints.
+"""runlog.py: rank 0's record of a run (metrics.jsonl, trackers, events.jsonl) and what it prints.
 
     log = RunLog(cfg, start_step)                   # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
@@ -7,37 +7,17 @@
     log.finish()                                    # the summary at the end
 
 Files in out_dir: metrics.jsonl (a row per step, always), events.jsonl (the timeline for plot.py,
-unless --max-events 0), tensorboard/ (with --tracker tensorboard). Trackers (--tracker) get the
-same keys as metrics.jsonl, every numeric one (a None, e.g. sync_probe_max_diff of a sync that was
-not probed, is left out), on rank 0 only; their packages are optional and imported only when asked
-for: check_tracker() names the missing package before any process starts.
+unless --max-events 0; its format and size bound: timeline.py), tensorboard/ (--tracker
+tensorboard). Trackers (--tracker) get the same keys as metrics.jsonl, every numeric one (a None,
+e.g. sync_probe_max_diff of a sync that was not probed, is left out), on rank 0 only; their
+packages are optional and imported only when asked for: check_tracker() names a missing package
+before any process starts.
 
 A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
 row of the step after it: row k carries synced_version (the weights checked: k - 1, or the starting
 weights in row 1), sync_probe_max_diff (None when that sync was not probed), rollout_utilisation
 (engine busy fraction between that ack and the one before), time_receive and time_engine_load.
 time_weight_sync is what the trainer itself spent on step k's sync.
-
-events.jsonl, one JSON object per line; times are time.time() seconds. One clock for every process:
-this assumes the ranks of a run share a node (or NTP-synchronised clocks across nodes; plot.py
-draws whatever it is given). "ev" says what it is:
-    start      t, rollout_ranks, async_ratio, step (where this session starts), steps  (every session;
-               a resumed run appends, and plot.py draws the last session)
-    ready      t: the engines acked READY (start-up ends)
-    step       version, collect / train / wait_sync / broadcast: [start, end] each: the trainer's step
-               as the controller sees it (train = from the batch to the sync: advantages + optimizer
-               step + gathering the weights; wait_sync = the previous sync's acks)
-    phase      rank, name (engine_start | receive | suspend | load | resume), version, t: [start, end]
-    req        rank, t: [start, end], v: [version of its first token, of its last], n: tokens,
-               finish: stop | length | abort   (one engine request: a turn of a trajectory)
-    dropped    rank, n: request events a rank dropped (more than its cap, 20,000, between two acks)
-    end        t, requests_not_written
-The ranks' events travel to rank 0 in the acks they already send (buffer.Ack.events: SYNCED after
-every weight sync, STOPPED at the end). Size bound: a rank keeps at most 20,000 events
-between two acks (the oldest go first, counted in a "dropped" event), and rank 0 writes at most
---max-events request events per session (the first ones; later ones are only counted in "end");
-steps and phases, a few per step, are always written. A request event is about 90 bytes: the
-default cap of 100,000 is about 9 MB; the default 80-step run writes about 30,000.
 """
 
 import asyncio
@@ -47,8 +27,9 @@ import json
 import os
 import shutil
 import time
-from collections import deque
 from pathlib import Path
+
+from timeline import EventLog
 
 # --tracker NAME -> the package it needs (None: nothing to install)
 TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
@@ -151,91 +132,6 @@ def make_tracker(cfg, fresh: bool):
 def scalars(row: dict) -> dict:
     """The numeric keys of a metrics row (what trackers get)."""
     return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-# ---------------------------------------------------------------------------------------------
-# timeline events (format and bounds: module docstring)
-
-
-def _round(x):
-    """Times to 0.1 ms: smaller lines, and far finer than anything plot.py draws."""
-    if isinstance(x, float):
-        return round(x, 4)
-    if isinstance(x, list):
-        return [_round(v) for v in x]
-    return x
-
-
-class RankEvents:
-    """A rollout rank's events between two acks (proxy.LLMProxy.events points here). At most `cap`
-    are kept (a weight sync every few seconds sees a few hundred); past it, the oldest are dropped and
-    counted, so a rank whose acks stop coming holds bounded memory."""
-
-    def __init__(self, rank: int, cap: int = 20_000):
-        self.rank = rank
-        self.cap = cap
-        self.items: deque[dict] = deque(maxlen=cap)
-        self.dropped = 0
-
-    def add(self, e: dict):
-        if len(self.items) == self.cap:
-            self.dropped += 1
-        self.items.append(e)
-
-    def request(self, t0: float, t1: float, c):
-        """One finished engine request (a proxy.Completion) that ran from t0 to t1."""
-        first = c.versions[0] if c.versions else c.submit_version
-        self.add({"ev": "req", "rank": self.rank, "t": [t0, t1], "v": [first, c.versions[-1] if c.versions else first],
-                  "n": len(c.token_ids), "finish": c.finish_reason or "error"})
-
-    def phase(self, name: str, t0: float, t1: float, version: int):
-        self.add({"ev": "phase", "rank": self.rank, "name": name, "version": version, "t": [t0, t1]})
-
-    def take(self) -> list[dict]:
-        """Everything since the last take, for the next ack."""
-        out = list(self.items)
-        if self.dropped:
-            out.append({"ev": "dropped", "rank": self.rank, "n": self.dropped})
-        self.items.clear()
-        self.dropped = 0
-        return out
-
-
-class EventLog:
-    """Rank 0's events.jsonl. add()/extend() only append in memory (the controller calls them on its
-    own path); flush() writes, after each step and at the end."""
-
-    def __init__(self, path: Path, max_requests: int, fresh: bool):
-        self.path = path
-        self.max_requests = max_requests
-        self.pending: list[dict] = []
-        self.requests_written = 0
-        self.requests_not_written = 0
-        self.requests_dropped_by_ranks = 0
-        if fresh:
-            path.unlink(missing_ok=True)
-
-    def add(self, e: dict):
-        self.pending.append(e)
-
-    def extend(self, events):
-        self.pending.extend(events)
-
-    def flush(self):
-        lines = []
-        for e in self.pending:
-            if e["ev"] == "req":
-                if self.requests_written >= self.max_requests:
-                    self.requests_not_written += 1
-                    continue
-                self.requests_written += 1
-            elif e["ev"] == "dropped":
-                self.requests_dropped_by_ranks += e["n"]
-            lines.append(json.dumps({k: _round(v) for k, v in e.items()}) + "\n")
-        self.pending = []
-        if lines:
-            with open(self.path, "a") as f:
-                f.writelines(lines)
 
 
 # ---------------------------------------------------------------------------------------------

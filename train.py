@@ -286,7 +286,7 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager
     from proxy import LLMProxy, Sampling
-    from runlog import RankEvents
+    from timeline import RankEvents
     from trainer import receive_weights
     from transformers import AutoTokenizer
 

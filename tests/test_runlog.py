@@ -1,4 +1,4 @@
-"""runlog.py and quiet.py without engines: the tensorboard tracker against metrics.jsonl, the
+"""runlog.py, timeline.py and quiet.py without engines: the tensorboard tracker against metrics.jsonl, the
 missing-package messages, ETA and summary, the events' size bounds, the rank-side recording in the
 proxy, the controller forwarding the acks' events, and the log filter."""
 
@@ -19,8 +19,9 @@ from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
 from fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Sampling
-from runlog import EventLog, RankEvents, RunLog
+from runlog import RunLog
 from task import Problem
+from timeline import EventLog, RankEvents
 from train import Config
 
 
