@@ -201,12 +201,19 @@ class RunLog:
                 f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}")
 
     def finish(self, extra: str = ""):
-        """End of the run: flush the events, close the tracker, print the summary."""
+        """End of the run: the last events, the tracker closed, the summary."""
         if self.events is not None:
             self.events.add({"ev": "end", "t": time.time(), "requests_not_written": self.events.requests_not_written})
-            self.events.flush()
-        self.tracker.close()
+        self.close()
         print0(self.summary() + (f"\n  {extra}" if extra else ""))
+
+    def close(self):
+        """Write what is pending and close the tracker; idempotent (train.py calls it on a crash too)."""
+        if self.events is not None:
+            self.events.flush()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def summary(self, t_end: float | None = None) -> str:
         rows, t_end = self.rows, t_end or time.time()

@@ -23,7 +23,9 @@ draws whatever it is given). "ev" says what it is:
 Where they come from: the proxy records each request and its engine's suspend, load and resume; the
 rollout rank (train.py) the engine's start and each receive; the controller each step's spans. The
 ranks' events travel to rank 0 in the acks they already send (buffer.Ack.events: SYNCED after
-every weight sync, STOPPED at the end); the protocol and its timing are unchanged.
+every weight sync, STOPPED at the end); the protocol and its timing are unchanged (an ack then
+carries a few hundred events, about 30 KB: a few ms of pickling, off the trainer's path, since the
+controller reads a SYNCED ack only at the next sync).
 
 Size bound: a rank keeps at most 20,000 events between two acks (the oldest go first, counted in a
 "dropped" event), and rank 0 writes at most --max-events request events per session (the first

@@ -274,6 +274,7 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     try:
         asyncio.run(main())
     finally:
+        log.close()
         ranks.stop()
         buffer.close()
 
