@@ -210,7 +210,6 @@ class Timeline:
             ticks.append(band_top - h / 2), labels.append(f"rank {r} requests\n({n} lanes max)")
             y = band_top - h - 1.0
         ax.set_ylim(y + 0.6, 1.0)
-        ax.set_xlim(0, self.t1 - o)
         ax.set_yticks(ticks, labels)
         ax.set_xlabel("seconds")
         ax.set_title(self.title(), fontsize=9)
@@ -230,6 +229,7 @@ def plot_timeline(timelines: list[Timeline], path: Path) -> list[str]:
                              gridspec_kw={"height_ratios": rows})
     for tl, ax in zip(timelines, axes[:, 0]):
         tl.draw(ax, norm, cmap)
+    axes[0, 0].set_xlim(0, max(tl.t1 - tl.t0 for tl in timelines))    # shared: the longest run, whole
     for ax in axes[:-1, 0]:
         ax.set_xlabel("")
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), fraction=0.02, pad=0.01,
