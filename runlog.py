@@ -149,6 +149,8 @@ class RunLog:
         self.t_ready: float | None = None
         fresh = start_step == 0
         self.events = EventLog(self.out / "events.jsonl", cfg.max_events, fresh) if cfg.max_events > 0 else None
+        if self.events is None and fresh:     # --max-events 0: no timeline, not an old run's either
+            (self.out / "events.jsonl").unlink(missing_ok=True)
         if self.events is not None:
             self.events.add({"ev": "start", "t": self.t_start, "rollout_ranks": cfg.rollout_gpus,
                              "async_ratio": cfg.async_ratio, "step": start_step, "steps": cfg.steps})

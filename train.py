@@ -18,6 +18,9 @@ One step on the trainer side (rank 0 drives, the other trainer ranks follow):
     ->  suspend rollout, broadcast, resume (controller)  ->  metrics line + metrics.jsonl
 Rollout never waits for training, except during the weight sync and where the async ratio stops
 admission. --async-ratio 0 is the synchronous baseline in the same code.
+
+What rank 0 prints and records (metrics.jsonl, events.jsonl, --tracker, the summary): runlog.py;
+library logs stay at warning level unless --verbose: quiet.py; pictures of a run: plot.py.
 """
 
 import asyncio

@@ -152,6 +152,14 @@ def test_event_log_caps_request_events_not_steps(tmp_path):
     assert not (tmp_path / "events.jsonl").exists()
 
 
+def test_no_events_file_with_max_events_0(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"ev": "start", "t": 1.0}\n')     # an older run's
+    log = RunLog(Config(out_dir=str(tmp_path), steps=1, max_events=0))
+    log.step(*step_args(1))
+    log.finish()
+    assert log.events is None and not (tmp_path / "events.jsonl").exists()
+
+
 def test_rank_events_keep_the_newest_and_count_the_rest():
     ev = RankEvents(rank=2, cap=3)
     for i in range(5):
