@@ -110,7 +110,7 @@ class WandbLikeTracker:
         if self.module_name == "wandb":
             self.mod.log(metrics, step=step)
         else:
-            self.mod.log(metrics)        # the row's own "step" key is the x axis
+            self.mod.log(metrics)        # trackio counts one step per call; the row's "step" key is there too
 
     def close(self):
         self.mod.finish()
