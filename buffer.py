@@ -117,6 +117,7 @@ class Ack:
     probe: list[float] | None = None       # READY, and SYNCED with Command.probe: engine logprobs of the probe
     timings: dict | None = None            # SYNCED: receive_s (the transport), load_s (suspend + load + resume)
     stats: dict | None = None              # STOPPED: the env manager's counters
+    events: list[dict] | None = None       # SYNCED, STOPPED: the rank's timeline events since its last ack (timeline.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,13 +30,16 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def parse_cli(cls, argv=None, doc: str | None = None):
+def parse_cli(cls, argv=None, doc: str | None = None, positional: tuple[str, ...] = ()):
     """Parse argv into dataclass `cls`: one flag per field (bools get --x/--no-x), the field's
-    metadata["help"] as help. A ValueError from the config's validation becomes a usage error."""
+    metadata["help"] as help; the fields named in `positional` are required positional arguments
+    instead (plot.py RUN_DIR). A ValueError from the config's validation becomes a usage error."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         help = f.metadata.get("help", "")
-        if f.type in (bool, "bool"):
+        if f.name in positional:
+            ap.add_argument(f.name, metavar=f.name.upper(), help=help)
+        elif f.type in (bool, "bool"):
             ap.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif "const" in f.metadata:     # a flag that may stand alone: --resume means --resume yes
             ap.add_argument(flag(f.name), nargs="?", const=f.metadata["const"], default=f.default,

@@ -27,10 +27,10 @@ The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues
 | Ack READY | each rollout rank -> controller | rank, engine stats, the probe's logprobs (initial weights) | wait_ready: timeout_s |
 | Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), probe flag | - |
 | (the broadcast) | trainer rank 0 -> rollout ranks | the weights, in buckets (send_fn / receive_weights) | the sync group's timeout |
-| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
+| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times, timeline events | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
 | Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
 | Cmd STOP | controller -> each rollout rank | - | - |
-| Ack STOPPED | rollout rank -> controller | rank, the env manager's counters | stop: timeout_s |
+| Ack STOPPED | rollout rank -> controller | rank, the env manager's counters, timeline events | stop: timeout_s |
 
 A weight sync, overlapped with training: sync_weights sends SYNC and broadcasts; the rank receives
 while its engine keeps generating, then suspends, loads and resumes (env_manager.EnvManager._sync)
@@ -45,6 +45,7 @@ import asyncio
 import collections
 import itertools
 import random
+import time
 from dataclasses import dataclass
 
 from buffer import Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
@@ -114,6 +115,10 @@ class AsyncController:
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
+        # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
+        # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
+        self.events = None
+        self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
 
     # --- schedule
     def _groups_lost(self) -> int:
@@ -167,7 +172,7 @@ class AsyncController:
     # --- run: collect one batch
     async def collect(self) -> tuple[list, dict]:
         cfg, asm = self.cfg, self.asm
-        t0 = now()
+        t0, wall0 = now(), time.time()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered, failed=asm.samples_failed,
                       surplus=asm.samples_surplus)
         self.step_rewards = []
@@ -229,6 +234,7 @@ class AsyncController:
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
         }
+        self._collect_span = [wall0, time.time()]
         return batch, info
 
     def _heartbeat(self, before: dict, elapsed: float) -> str:
@@ -278,13 +284,17 @@ class AsyncController:
         sync in flight at most) or by finish_sync(). probe_ref: the trainer's logprobs of the probe,
         which the ranks then score too. Returns trainer-side timings plus the report of the
         previous sync (see finish_sync)."""
-        t0 = now()
+        t0, wall0 = now(), time.time()
         report = await self.finish_sync()
-        t1 = now()
+        t1, wall1 = now(), time.time()
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.SYNC, new_version, meta, probe=probe_ref is not None))
         await asyncio.to_thread(send_fn)
         t2 = now()
+        if self.events is not None and self._collect_span:   # the trainer's step, for the timeline
+            self.events.add({"ev": "step", "version": new_version, "collect": self._collect_span,
+                             "train": [self._collect_span[1], wall0], "wait_sync": [wall0, wall1],
+                             "broadcast": [wall1, time.time()]})
         self.version = new_version
         self.in_flight = (new_version, probe_ref)
         # groups that can no longer be fresh: drop them here and stop their running samples
@@ -340,6 +350,9 @@ class AsyncController:
                                    + f" within {self.cfg.timeout_s:.0f}s") from None
         got = [a for a in self.acks if match(a)]
         self.acks = [a for a in self.acks if not match(a)]
+        if self.events is not None:
+            for a in got:
+                self.events.extend(a.events or [])
         return got
 
     async def wait_ready(self, probe_ref: list[float] | None = None) -> dict:

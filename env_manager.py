@@ -321,7 +321,7 @@ class EnvManager:
             raise
         await self._close()
         await self._flush()
-        await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats()))
+        await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats(), events=self.proxy.take_events()))
         return self.stats()
 
     async def _loop(self):
@@ -382,7 +382,8 @@ class EnvManager:
         await self._abort(stale, "aborted_stale")
         probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
-                                      timings={"receive_s": t1 - t0, "load_s": t2 - t1}))
+                                      timings={"receive_s": t1 - t0, "load_s": t2 - t1},
+                                      events=self.proxy.take_events()))
 
     async def _pull_tasks(self):
         """Start tasks while there are free slots, at most one task of a group per poll period when

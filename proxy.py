@@ -266,6 +266,17 @@ class LLMProxy:
         self._t_start: float | None = None   # set on first use, in loop time
         self._busy_s = 0.0
         self._busy_since: float | None = None
+        # optional timeline.RankEvents: wall-clock (time.time()) records of requests and of the weight
+        # update's phases, for plot.py's timeline; train.py turns it on, None records nothing
+        self.events = None
+
+    def take_events(self) -> list[dict] | None:
+        """The events recorded since the last call (they ride on the next ack); None when off."""
+        return self.events.take() if self.events is not None else None
+
+    def _phase(self, name: str, wall0: float):
+        if self.events is not None:
+            self.events.phase(name, wall0, time.time(), self.version)
 
     @classmethod
     async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0, **engine_kwargs) -> "LLMProxy":
@@ -318,7 +329,7 @@ class LLMProxy:
             raise self._failure
         rid = request_id or f"r{self.rank}-{next(self._ids)}"
         c = Completion(rid, list(prompt_token_ids), submit_version=self.version)
-        t0 = now()
+        t0, wall0 = now(), time.time()
         if self.num_in_flight == 0:
             self._last_progress = t0          # idle time is not silence
         if self._watchdog_task is None or self._watchdog_task.done():   # (it ends after reporting a failure)
@@ -354,6 +365,8 @@ class LLMProxy:
             c.latency_s = now() - t0
             self.latencies_s.append(c.latency_s)
             self._account()
+            if self.events is not None:
+                self.events.request(wall0, time.time(), c)
 
     async def _consume(self, eid: str, prompt: list[int], sampling: Sampling, c: Completion) -> str:
         """Read one engine request's stream into `c`; returns its finish reason. No per-token timer:
@@ -412,22 +425,28 @@ class LLMProxy:
         self.status = Status.SUSPENDED
         self.suspend_mode = mode
         self._account()
+        wall0 = time.time()
         await self._call(f"suspend({mode})", self.engine.pause(mode))
+        self._phase("suspend", wall0)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
         """Load new weights (HF names) into the engine; tokens sampled after resume carry `version`."""
         if self.status != Status.SUSPENDED:
             raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
                                f"(call suspend first), status is {self.status.value}")
+        wall0 = time.time()
         await self._call("update_weights", self.engine.load_weights(pack_buckets(named_tensors, self.bucket_bytes)),
                          timeout=max(self.timeout_s, 300))
         self.version = version
+        self._phase("load", wall0)
 
     async def resume(self):
         self._check_running("resume")
         if self.status != Status.SUSPENDED:
             return
+        wall0 = time.time()
         await self._call("resume", self.engine.resume())
+        self._phase("resume", wall0)
         self._last_progress = now()                   # suspended time is not silence
         self.status = Status.RUNNING
         self._resumed.set()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # run.sh: set everything up (idempotent), then run.
 #   bash run.sh            train the embedded default: tiny model, addition task, async RL on CPU
+#   bash run.sh --steps 10 the same with train.py flags (bash run.sh train ARGS... too)
 #   bash run.sh test       the test suite (extra args go to pytest, e.g. -m "not engine")
 # Setup: a venv in .venv from requirements.txt, skipped when the stamp for this requirements.txt
 # exists; the tiny model in .cache/tiny-qwen2, built on first use and then reused.
@@ -22,12 +23,17 @@ if [ ! -f "$stamp" ]; then
 fi
 
 cmd="${1:-train}"
-[ $# -gt 0 ] && shift
+case "$cmd" in
+    -*) cmd=train ;;              # bash run.sh --steps 10: flags for train.py
+    *) [ $# -gt 0 ] && shift ;;
+esac
 case "$cmd" in
     test)
         exec "$venv/bin/python" -m pytest "$@" ;;
     train)
         "$venv/bin/python" tiny_model.py --quiet
+        # torchrun prints a banner when it has to set this itself; every rank runs one thread on its own core
+        export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         # the default layout for a 2-core machine: one trainer rank and one engine, a core each
         exec "$venv/bin/torchrun" --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1 "$@" ;;
     *)

@@ -18,6 +18,9 @@ One step on the trainer side (rank 0 drives, the other trainer ranks follow):
     ->  suspend rollout, broadcast, resume (controller)  ->  metrics line + metrics.jsonl
 Rollout never waits for training, except during the weight sync and where the async ratio stops
 admission. --async-ratio 0 is the synchronous baseline in the same code.
+
+What rank 0 prints and records (metrics.jsonl, events.jsonl, --tracker, the summary): runlog.py;
+library logs stay at warning level unless --verbose: quiet.py; pictures of a run: plot.py.
 """
 
 import asyncio
@@ -36,9 +39,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import quiet
 from config import opt, parse_cli, sub_config
 from controller import ControllerConfig
 from env_manager import RolloutConfig
+from runlog import RunLog, check_tracker, print0
 from trainer import TrainConfig
 
 if __name__ == "__mp_main__":
@@ -98,6 +103,10 @@ class Config:
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N syncs; 0 = never")
     timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing")
     seed: int = opt(0, "seeds data order and the trainer")
+    verbose: bool = opt(False, "show every library log line (vLLM INFO, progress bars); default: warnings and errors only")
+    tracker: str = opt("none", "also send metrics.jsonl's rows to: none | tensorboard | wandb | trackio (rank 0)")
+    tracker_project: str = opt("roll-flash-nano", "project name for --tracker wandb / trackio (the run is named after out_dir)")
+    max_events: int = opt(100_000, "request events kept in out_dir/events.jsonl for plot.py's timeline; 0 = no events file")
 
     def __post_init__(self):
         if self.resume not in ("no", "yes", "auto"):
@@ -123,6 +132,9 @@ class Config:
         if self.save_every < 0 or self.check_sync_every < 0:
             raise ValueError(f"--save-every and --check-sync-every must be >= 0, got {self.save_every}, "
                              f"{self.check_sync_every}")
+        if self.max_events < 0:
+            raise ValueError(f"--max-events must be >= 0, got {self.max_events}")
+        check_tracker(self.tracker)        # a missing optional package is named now, before anything starts
         # every other field belongs to a component, whose config validates it
         self.controller_config(), self.rollout_config(), self.train_config()
 
@@ -204,11 +216,6 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def print0(*args):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, flush=True)
-
-
 def pin_to_core() -> int:
     """CPU runs: this rank (and the engine processes it starts, which inherit it) gets one core of
     its own, LOCAL_RANK round robin over the cores this process may use. On 2 cores with one trainer
@@ -283,41 +290,6 @@ class TrainerRanks:
             tr.save_checkpoint(self.cfg.out_dir, op["state"], self.model_dir)
 
 
-class RunLog:
-    """Rank 0's record of the run: metrics.jsonl (a row per step) and the progress line.
-
-    A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
-    row of the step after it: row k carries synced_version (the weights checked: k - 1, or the
-    starting weights in row 1), sync_probe_max_diff (None when that sync was not probed),
-    rollout_utilisation (engine busy fraction between that ack and the one before), time_receive and
-    time_engine_load. time_weight_sync is what the trainer itself spent on step k's sync."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.path = Path(cfg.out_dir) / "metrics.jsonl"
-        self.rewards: list[float] = []           # reward_mean per step, for the moving average
-
-    def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
-             time_step: float) -> dict:
-        row = {"step": step, "version": version, **info, **train, "time_train": time_train,
-               **{k: v for k, v in sync.items() if k != "acks"},
-               "time_step": time_step, "samples_per_s": info["num_samples"] / time_step,
-               "tokens_per_s": info["num_tokens"] / time_step}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.rewards.append(row["reward_mean"])
-        print0(self.line(row))
-        return row
-
-    def line(self, r: dict) -> str:
-        avg10 = sum(self.rewards[-10:]) / len(self.rewards[-10:])
-        return (f"step {r['step']:4d}/{self.cfg.steps} | v{r['version']} | reward {r['reward_mean']:.3f} "
-                f"(avg10 {avg10:.3f}) | stale max {r['staleness_max']} mean {r['staleness_mean']:.2f} | "
-                f"dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | {r['time_step']:.2f}s "
-                f"(wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync {r['time_weight_sync']:.2f}) | "
-                f"{r['samples_per_s']:.1f} samples/s | util {r.get('rollout_utilisation', 0.0):.2f}")
-
-
 def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
     import task
     from buffer import ManagerQueues, SampleBuffer
@@ -348,17 +320,15 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                            log=print0)
     if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
         ctrl.readmit.extend(task.Problem(**p) for p in state.get("in_flight", []))
-    log = RunLog(cfg)
+    log = RunLog(cfg, state["step"] if state else 0)
+    ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
     bucket_bytes = cfg.bucket_mb << 20
 
     def probe_due(version: int) -> bool:
         return cfg.check_sync_every > 0 and version % cfg.check_sync_every == 0
 
     async def main():
-        t = time.monotonic()
-        ready = await ctrl.wait_ready(ranks.probe() if probe_due(0) else None)   # engines up and warmed up
-        print0(f"rollout ready: {cfg.rollout_gpus} engines in {time.monotonic() - t:.1f}s"
-               + (f", probe diff {ready['sync_probe_max_diff']:.1e}" if probe_due(0) else ""))
+        await log.starting(ctrl.wait_ready(ranks.probe() if probe_due(0) else None))   # engines up and warmed up
         for step in range(state["step"] if state else 0, cfg.steps):
             t0 = time.monotonic()
             batch, info = await ctrl.collect()                                 # schedule + run: B fresh groups
@@ -375,16 +345,17 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                             "data_position": data_pos + ctrl.groups_drawn,
                             "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()]})
         last = await ctrl.finish_sync()                                        # the last sync's acks
-        if last.get("sync_probe_max_diff") is not None:
-            print0(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}")
         ranks_stats = await ctrl.stop()
         stats = {"controller": ctrl.counters(), "rollout_ranks": [{k: v for k, v in r.items() if k != "proxy"}
                                                                     for r in ranks_stats]}
         (Path(cfg.out_dir) / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
+        log.finish(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}"
+                   if last.get("sync_probe_max_diff") is not None else "")
 
     try:
         asyncio.run(main())
     finally:
+        log.close()
         ranks.stop()
         buffer.close()
 
@@ -413,6 +384,7 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager
     from proxy import LLMProxy, Sampling, VLLMEngine
+    from timeline import RankEvents
     from trainer import receive_weights
     from transformers import AutoTokenizer
 
@@ -423,26 +395,36 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     host, port, key = buffer_addr
     buffer = SampleBuffer(ManagerQueues.connect(host, port, key, cfg.rollout_gpus, cfg.timeout_s), who, cfg.timeout_s)
 
+    events = RankEvents(index) if cfg.max_events > 0 else None     # the timeline, sent to rank 0 in the acks
+
     async def receive(cmd):   # the weight transport: trainer rank 0's broadcast over the sync group
-        return await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
+        t = time.time()
+        named = await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
+        if events is not None:
+            events.phase("receive", t, time.time(), cmd.version)
+        return named
 
     # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
     cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
     start_engine = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=cores,
                                      max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len,
                                      dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose)
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
         return await asyncio.to_thread(start_engine)
 
     async def main():
+        t = time.time()
         engine = await asyncio.wait_for(asyncio.to_thread(start_engine), max(cfg.timeout_s, 300))
         proxy = LLMProxy(engine, rank=index, timeout_s=cfg.timeout_s)
         proxy.version = state["version"] if state else 0
         try:
             await proxy.generate(probe, Sampling(max_tokens=2))    # warm-up: the first request pays one-off costs
+            if events is not None:
+                events.phase("engine_start", t, time.time(), proxy.version)
+                proxy.events = events
             await EnvManager(proxy, buffer, tokenizer, index, cfg.rollout_config(), receive_weights=receive,
                              probe_ids=probe, env_wrappers=injected_faults(cfg, index),
                              restart_engine=restart_engine).run()
@@ -532,6 +514,7 @@ def trim_metrics(out_dir: str, step: int):
 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
+    quiet.setup(cfg.verbose)          # before vLLM or transformers load: library logs at warning level
     from buffer import die_with_parent
     die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg)

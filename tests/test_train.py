@@ -120,7 +120,7 @@ def test_kill_and_resume(tmp_path):
 
 def test_bad_flags_name_the_problem(tmp_path):
     py = str(Path(sys.executable))
-    r = subprocess.run([py, "train.py", "--rollout-gpus", "2", "--train-gpus", "1"], cwd=ROOT,
+    r = subprocess.run([py, "train.py", "--rollout-gpus", "2", "--train-gpus", "1", "--out-dir", str(tmp_path / "o")], cwd=ROOT,
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     assert r.returncode != 0 and "torchrun" in r.stderr

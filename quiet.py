@@ -1,0 +1,144 @@
+"""quiet.py: what a run prints by default. Library logs at warning level, minus known noise.
+
+    quiet.setup(verbose=False)    # train.py, first thing on every rank (before vLLM or transformers load)
+
+Left alone, one default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines from the
+engine processes. setup() changes only this process's environment, which the engine processes
+(spawned later by the rollout rank) inherit:
+
+- vLLM logs at WARNING (VLLM_LOGGING_LEVEL), through a logging config (VLLM_LOGGING_CONFIG_PATH,
+  vLLM's own hook, read in every vLLM process) that adds the filter KnownNoise: warnings listed in
+  NOISE are dropped, and any other warning is shown the first time its text template appears in a
+  process and counted after that, so a warning that repeats every step is seen once, not 80 times.
+  The engine processes apply the same filter from their first line on (the MARK variable; see the
+  end of this file), so even the warnings vLLM prints while it is imported pass it.
+- Hugging Face progress bars off (HF_HUB_DISABLE_PROGRESS_BARS: transformers' "Loading weights");
+  vLLM's own "Loading safetensors checkpoint shards" bar is an engine argument (train.py).
+- C++ warnings of the engine processes at error level (TORCH_CPP_LOG_LEVEL: vLLM's CPU kernels'
+  "NUMA binding" notice), and the Python warnings in PY_WARNINGS ignored.
+
+Errors and every other warning still show. A variable the user set is never overridden. With
+--verbose, setup() does nothing and everything prints as before.
+
+Each entry of NOISE was checked on this project's runs and is harmless here:
+- "Failed to load weights" (RotaryEmbedding, ParallelLMHead), at every weight sync: vLLM's reload
+  finds no checkpoint tensors for layers that have none of their own (rotary) or are tied to the
+  embedding (proxy.WeightLoaderExtension refreshes the tied head itself).
+- "[shutdown] ... force killing": vLLM stopping its engine processes at the end of every run.
+- Triton / Model Runner V2 / torch.compile / inductor notes: facts of the CPU build with
+  enforce_eager=True, which proxy.VLLMEngine asks for.
+- "libtcmalloc" / "libiomp is not found in LD_PRELOAD": allocator hints that matter for large models
+  on CPU, not for the tiny one; --verbose shows them.
+- "Reset SSM cache type": a mamba setting; the model has no mamba layers.
+"""
+
+import hashlib
+import json
+import logging
+import logging.config
+import os
+import tempfile
+import warnings
+
+NOISE = (
+    "Failed to load weights",
+    "[shutdown]",
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed",
+    "Model Runner V2 requires Triton",
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled",
+    "is not found in LD_PRELOAD",
+    "Reset SSM cache type",
+)
+
+# action:message:category:module (Python's -W syntax; the module must match in full)
+PY_WARNINGS = (
+    "ignore::FutureWarning:vllm.triton_utils.dispatcher",   # torch.distributed.reduce_op, inside vLLM
+    "ignore:resource_tracker:UserWarning",   # vLLM's shared memory queue, left when its worker is killed at exit
+)
+
+
+class KnownNoise(logging.Filter):
+    """Drops the records in NOISE, and repeats of any other record's text template (record.msg,
+    before its arguments are filled in), counting them in `repeats`."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+        self.repeats = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        template = str(record.msg)
+        if any(n in template for n in NOISE):
+            return False
+        if template in self.seen:
+            self.repeats += 1
+            return False
+        self.seen.add(template)
+        return True
+
+
+def vllm_logging_config(level: str = "WARNING") -> dict:
+    """vLLM's logger hierarchy (the "vllm" logger) to stderr at `level`, through KnownNoise, in
+    vLLM's format less its process name (which needs vLLM's record factory, absent until vLLM
+    configures logging itself; the pid tells the processes apart)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"known_noise": {"()": "quiet.KnownNoise"}},   # importable: proxy.py puts this dir on PYTHONPATH
+        "formatters": {"vllm": {"format": "(vllm pid=%(process)d) %(levelname)s "
+                                          "%(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                "datefmt": "%m-%d %H:%M:%S"}},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
+                              "filters": ["known_noise"], "stream": "ext://sys.stderr"}},
+        "loggers": {"vllm": {"handlers": ["vllm"], "level": level, "propagate": False}},
+    }
+
+
+def write_config(config: dict) -> str:
+    """The config as a JSON file vLLM can read; the path is named by the content, so every rank
+    writes (or reuses) the same small file and none piles up."""
+    text = json.dumps(config, indent=1)
+    path = os.path.join(tempfile.gettempdir(), f"roll-flash-nano-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)          # atomic: a rank never reads a half-written file
+    return path
+
+
+MARK = "ROLL_FLASH_QUIET"     # set by setup(): this process and its children filter vLLM's logs
+
+
+def _filter_now():
+    """Apply the filter in this process at once, so that vLLM's import-time warnings (printed before
+    vLLM configures its logging from VLLM_LOGGING_CONFIG_PATH) pass it too."""
+    logging.config.dictConfig(vllm_logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+
+
+def setup(verbose: bool = False):
+    """Quiet defaults for this process and the processes it starts (module docstring)."""
+    if verbose:
+        return
+    env = os.environ
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if "VLLM_LOGGING_CONFIG_PATH" not in env:
+        env["VLLM_LOGGING_CONFIG_PATH"] = write_config(vllm_logging_config(env["VLLM_LOGGING_LEVEL"]))
+        env[MARK] = "1"
+        _filter_now()
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if "PYTHONWARNINGS" not in env:
+        env["PYTHONWARNINGS"] = ",".join(PY_WARNINGS)
+        for spec in PY_WARNINGS:                      # this process too (PYTHONWARNINGS is read at start-up)
+            action, message, category, module = (spec.split(":") + [""])[:4]
+            warnings.filterwarnings(action, message, {"FutureWarning": FutureWarning,
+                                                      "UserWarning": UserWarning}[category], module)
+
+
+# vLLM's engine processes are spawned: each re-imports the main script (train.py, hence this module)
+# before it imports vLLM. Where setup() ran in an ancestor, filter here too, before vLLM's import.
+if os.environ.get(MARK) == "1":
+    _filter_now()

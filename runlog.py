@@ -1,0 +1,255 @@
+"""runlog.py: rank 0's record of a run (metrics.jsonl, trackers, events.jsonl) and what it prints.
+
+    log = RunLog(cfg, start_step)                   # trainer rank 0 (train.py)
+    ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
+    ctrl.events = log.events                        # the controller records steps and forwards the ranks' events
+    log.step(step, version, info, train, sync, time_train, time_step)   # a row, the tracker, the progress line
+    log.finish()                                    # the summary at the end
+
+Files in out_dir: metrics.jsonl (a row per step, always), events.jsonl (the timeline for plot.py,
+unless --max-events 0; its format and size bound: timeline.py), tensorboard/ (--tracker
+tensorboard). Trackers (--tracker) get the same keys as metrics.jsonl, every numeric one (a None,
+e.g. sync_probe_max_diff of a sync that was not probed, is left out), on rank 0 only; their
+packages are optional and imported only when asked for: check_tracker() names a missing package
+before any process starts.
+
+A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
+row of the step after it: row k carries synced_version (the weights checked: k - 1, or the starting
+weights in row 1), sync_probe_max_diff (None when that sync was not probed), rollout_utilisation
+(engine busy fraction between that ack and the one before), time_receive and time_engine_load.
+time_weight_sync is what the trainer itself spent on step k's sync.
+"""
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from timeline import EventLog
+
+# --tracker NAME -> the package it needs (None: nothing to install)
+TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+def print0(*args):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, flush=True)
+
+
+def fmt_s(s: float) -> str:
+    """Seconds for people: 42.0s, 3m05s, 1h02m."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def process_start() -> float:
+    """When this process started (time.time() seconds): wall time counts from there."""
+    try:
+        import psutil    # installed with vLLM
+        return psutil.Process().create_time()
+    except ImportError:
+        return time.time()
+
+
+# ---------------------------------------------------------------------------------------------
+# trackers
+
+
+def check_tracker(name: str):
+    """Raise ValueError naming the package to install when --tracker NAME cannot work here."""
+    if name not in TRACKERS:
+        raise ValueError(f"--tracker must be one of {', '.join(TRACKERS)}, got {name!r}")
+    package = TRACKERS[name]
+    if package and importlib.util.find_spec(package) is None:
+        raise ValueError(f"--tracker {name} needs the optional package {package!r}, which is not installed: "
+                         f"pip install {package}   (or use --tracker none; metrics.jsonl is always written)")
+
+
+class NoTracker:
+    def log(self, metrics: dict, step: int):
+        pass
+
+    def close(self):
+        pass
+
+
+class TensorBoardTracker:
+    """Scalars in out_dir/tensorboard (tensorboard --logdir OUT_DIR/tensorboard)."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter    # needs the tensorboard package
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, metrics: dict, step: int):
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()              # visible to a running tensorboard at once
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbLikeTracker:
+    """wandb, or trackio (which copies wandb's init / log / finish)."""
+
+    def __init__(self, module_name: str, project: str, name: str, config: dict, out_dir: Path):
+        self.module_name = module_name
+        self.mod = __import__(module_name)
+        kwargs = {"dir": str(out_dir)} if module_name == "wandb" else {}
+        self.mod.init(project=project, name=name, config=config, **kwargs)
+
+    def log(self, metrics: dict, step: int):
+        if self.module_name == "wandb":
+            self.mod.log(metrics, step=step)
+        else:
+            self.mod.log(metrics)        # trackio counts one step per call; the row's "step" key is there too
+
+    def close(self):
+        self.mod.finish()
+
+
+def make_tracker(cfg, fresh: bool):
+    """The tracker --tracker asks for (rank 0 only). fresh: a new run, so old tensorboard files go."""
+    check_tracker(cfg.tracker)
+    out = Path(cfg.out_dir)
+    if cfg.tracker == "tensorboard":
+        if fresh:
+            shutil.rmtree(out / "tensorboard", ignore_errors=True)
+        return TensorBoardTracker(out / "tensorboard")
+    if cfg.tracker in ("wandb", "trackio"):
+        return WandbLikeTracker(cfg.tracker, cfg.tracker_project, out.name, dataclasses.asdict(cfg), out)
+    return NoTracker()
+
+
+def scalars(row: dict) -> dict:
+    """The numeric keys of a metrics row (what trackers get)."""
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run log
+
+
+class RunLog:
+    def __init__(self, cfg, start_step: int = 0):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.path = self.out / "metrics.jsonl"
+        self.start_step = start_step
+        self.rows: list[dict] = []                # this session's rows
+        self.t_start = process_start()
+        self.t_ready: float | None = None
+        fresh = start_step == 0
+        self.events = EventLog(self.out / "events.jsonl", cfg.max_events, fresh) if cfg.max_events > 0 else None
+        if self.events is None and fresh:     # --max-events 0: no timeline, not an old run's either
+            (self.out / "events.jsonl").unlink(missing_ok=True)
+        if self.events is not None:
+            self.events.add({"ev": "start", "t": self.t_start, "rollout_ranks": cfg.rollout_gpus,
+                             "async_ratio": cfg.async_ratio, "step": start_step, "steps": cfg.steps})
+        self.tracker = make_tracker(cfg, fresh)
+
+    async def starting(self, awaitable) -> dict:
+        """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
+        start-up waits for, again every 15 s; then the "rollout ready" line."""
+        n = self.cfg.rollout_gpus
+        print0(f"starting {n} vLLM engine{'s' if n > 1 else ''} and warming up (about 30 s on a 2-core CPU) ...")
+        task = asyncio.ensure_future(awaitable)
+        while not (await asyncio.wait({task}, timeout=15.0))[0]:
+            print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
+        ready = task.result()
+        self.t_ready = time.time()
+        if self.events is not None:
+            self.events.add({"ev": "ready", "t": self.t_ready})
+        diff = ready.get("sync_probe_max_diff")
+        print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in {self.t_ready - self.t_start:.1f}s since launch"
+               + (f", probe diff {diff:.1e}" if diff is not None else ""))
+        return ready
+
+    def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
+             time_step: float) -> dict:
+        row = {"step": step, "version": version, **info, **train, "time_train": time_train,
+               **{k: v for k, v in sync.items() if k != "acks"},
+               "time_step": time_step, "samples_per_s": info["num_samples"] / time_step,
+               "tokens_per_s": info["num_tokens"] / time_step}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.rows.append(row)
+        self.tracker.log(scalars(row), step)
+        if self.events is not None:
+            self.events.flush()
+        print0(self.line(row))
+        return row
+
+    def eta(self, step: int) -> float:
+        """Seconds left: the mean of the last 10 step times, times the steps left."""
+        recent = [r["time_step"] for r in self.rows[-10:]]
+        return sum(recent) / len(recent) * (self.cfg.steps - step)
+
+    def line(self, r: dict) -> str:
+        rewards = [x["reward_mean"] for x in self.rows[-10:]]
+        return (f"step {r['step']:4d}/{self.cfg.steps} | v{r['version']} | reward {r['reward_mean']:.3f} "
+                f"(avg10 {sum(rewards) / len(rewards):.3f}) | stale max {r['staleness_max']} mean "
+                f"{r['staleness_mean']:.2f} | dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | "
+                f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
+                f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
+                f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}")
+
+    def finish(self, extra: str = ""):
+        """End of the run: the last events, the tracker closed, the summary."""
+        if self.events is not None:
+            self.events.add({"ev": "end", "t": time.time(), "requests_not_written": self.events.requests_not_written})
+        self.close()
+        print0(self.summary() + (f"\n  {extra}" if extra else ""))
+
+    def close(self):
+        """Write what is pending and close the tracker; idempotent (train.py calls it on a crash too)."""
+        if self.events is not None:
+            self.events.flush()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+    def summary(self, t_end: float | None = None) -> str:
+        rows, t_end = self.rows, t_end or time.time()
+        if not rows:
+            return f"run ended after {fmt_s(t_end - self.t_start)}: no step completed"
+        t_ready = self.t_ready or self.t_start
+        after = t_end - t_ready                      # everything after start-up
+        parts = {"wait for rollout": sum(r["time_wait_rollout"] for r in rows),
+                 "train": sum(r["time_train"] for r in rows), "weight sync": sum(r["time_weight_sync"] for r in rows)}
+        parts["rest"] = max(0.0, after - sum(parts.values()))   # advantages, probes, logging, checkpoints
+
+        def mean(key, rs):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return sum(vals) / len(vals) if vals else float("nan")
+        k = min(10, max(1, len(rows) // 2))         # first k vs last k steps: apart when there are 2+
+        lines = [f"run done: {len(rows)} steps in {fmt_s(t_end - self.t_start)} (start-up {fmt_s(t_ready - self.t_start)}, "
+                 f"then {after / len(rows):.2f}s per step)",
+                 f"  reward     {mean('reward_mean', rows[:k]):.3f} (first {k} steps) -> "
+                 f"{mean('reward_mean', rows[-k:]):.3f} (last {k})"]
+        for key in sorted({key for r in rows for key in r if key.startswith("eval_")}):
+            evals = [r for r in rows if r.get(key) is not None]
+            lines.append(f"  {key:<10} {evals[0][key]:.3f} (step {evals[0]['step']}) -> {evals[-1][key]:.3f} "
+                         f"(step {evals[-1]['step']})")
+        lines += [
+            "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
+            + f"  (of {fmt_s(after)} after start-up)",
+            f"  samples    {sum(r['samples_dropped_stale'] for r in rows)} dropped as stale, "
+            f"{sum(r['groups_filtered'] for r in rows)} groups filtered (all rewards equal), "
+            f"{sum(r.get('samples_failed', 0) for r in rows)} failed",
+            f"  files      {self.path}" + (f", {self.events.path}" if self.events is not None else "")
+            + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
+            + f"; checkpoint {self.out / 'checkpoint'}",
+            f"  pictures   python plot.py {self.out}"]
+        if self.events is not None and (self.events.requests_not_written or self.events.requests_dropped_by_ranks):
+            lines.append(f"  timeline   {self.events.requests_not_written + self.events.requests_dropped_by_ranks} "
+                         f"request events not written (over --max-events {self.cfg.max_events} or a rank's cap)")
+        return "\n".join(lines)
