@@ -68,3 +68,54 @@ def vllm_proxy(tiny_model_dir):
     yield lt, proxy
     proxy.shutdown()
     lt.close()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> dict:
+    """A small model dir that looks like a real one, built here (nothing downloaded): a byte-level
+    BPE tokenizer trained on the data below, a ChatML chat template (<|im_start|>, <|im_end|> as EOS),
+    a Qwen2 config with max_position_embeddings 1024, random float32 weights; and a JSONL of math
+    questions whose prompts are 300-500 tokens. Returns {"dir", "data", "prompt_tokens"}."""
+    import json
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("chat-model")
+    rng = random.Random(0)
+
+    def question():
+        nums = [rng.randrange(10, 1000) for _ in range(rng.randrange(110, 160))]
+        return ("Add up all of the following numbers and answer with the total only, as a single number: "
+                + ", ".join(map(str, nums)) + "."), str(sum(nums))
+    rows = [question() for _ in range(40)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([q for q, _ in rows] * 3, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, clean_up_tokenization_spaces=False)
+    tok.chat_template = CHATML
+    vocab = (len(tok) + 63) // 64 * 64
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)).float()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    d = root / "model"
+    model.save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    data = root / "questions.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    lengths = [len(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
+                                           return_dict=False)) for q, _ in rows]
+    return {"dir": d, "data": data, "prompt_tokens": (min(lengths), max(lengths))}

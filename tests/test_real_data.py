@@ -1,0 +1,141 @@
+"""Real data and verifiers without engines: the verifier pool, prompts too long for the context,
+the heartbeat, prompts in flight across a resume, dataset keys, reasoning-gym tasks, chat templates."""
+
+import asyncio
+import itertools
+import json
+import time
+
+import pytest
+
+from buffer import LocalQueues, SampleBuffer
+from controller import AsyncController, ControllerConfig
+from envs import PromptFormat
+from task import Problem, RewardPool, load_dataset, load_reward, reasoning_gym_maker
+
+
+def test_reward_pool_kills_a_verifier_that_hangs_and_goes_on():
+    async def main():
+        pool = RewardPool(1, "reward_fixtures:slow_or_exact", timeout_s=1.5)
+        try:
+            assert await pool.score(Problem("p", "2"), "2") == 1.0        # (the first call starts the worker)
+            t = time.monotonic()
+            hung = await pool.score(Problem("p", "2"), "hang")
+            waited = time.monotonic() - t
+            after = [await pool.score(Problem("p", "2"), r) for r in ("2", "3", "raise")]
+            return hung, waited, after, pool.timeouts, pool.errors
+        finally:
+            pool.shutdown()
+    hung, waited, after, timeouts, errors = asyncio.run(main())
+    assert hung == 0.0 and 1.5 <= waited < 6 and timeouts == 1
+    assert after == [1.0, 0.0, 0.0] and errors == 1       # a fresh worker serves the next calls
+
+
+def test_reward_spec_is_checked():
+    assert load_reward("reward_fixtures:slow_or_exact")(Problem("p", "7"), "7") == 1.0
+    with pytest.raises(ValueError, match="--reward"):
+        load_reward("no_such_module:f")
+    with pytest.raises(ValueError, match="--reward"):
+        load_reward("reward_fixtures:nope")
+
+
+def controller(**kw):
+    problems = iter([Problem("x" * 50, "1"), Problem("short", "2"), Problem("y" * 80, "3"), Problem("ok", "4")]
+                    + [Problem(f"p{i}", str(i)) for i in range(100)])
+    logged = []
+    cfg = ControllerConfig(**{"batch_groups": 2, "group_size": 2, "async_ratio": 0, "max_model_len": 20, **kw})
+    c = AsyncController(cfg, SampleBuffer(LocalQueues(1), "test", timeout_s=5), problems, 1,
+                        prompt_len=lambda p: len(p.prompt), log=logged.append)
+    return c, logged
+
+
+def test_prompts_that_cannot_fit_the_context_are_refused_at_admission_and_counted():
+    async def main():
+        c, logged = controller()
+        await c.admit()
+        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        return c, logged, tasks
+    c, logged, tasks = asyncio.run(main())
+    assert {t.problem.prompt for t in tasks} == {"short", "ok"}          # 50 and 80 characters > 20 tokens
+    assert c.prompts_rejected == 2 and c.groups_drawn == 4
+    assert len(logged) == 2 and "refused a prompt of 50 tokens" in logged[0] and "context is 20" in logged[0]
+
+
+def test_heartbeat_while_a_step_collects():
+    async def main():
+        c, logged = controller(heartbeat_s=0.2, timeout_s=0.9)
+        with pytest.raises(TimeoutError):
+            await c.collect()                    # nothing ever arrives
+        return logged
+    logged = [line for line in asyncio.run(main()) if "collecting" in line]
+    assert len(logged) >= 3 and "0/2 groups ready" in logged[0] and "tasks queued" in logged[0]
+
+
+def test_prompts_in_flight_at_a_checkpoint_are_admitted_again_after_resume():
+    """A checkpoint keeps the prompts admitted but not trained; a resumed controller admits them
+    first (before drawing new ones from the stream at the saved position)."""
+    from buffer import Sample
+
+    async def main():
+        c, _ = controller(max_model_len=0)
+        await c.admit()                                          # 2 groups (batch 2, ratio 0)
+        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        g0 = [t for t in tasks if t.group_id == "g0"]
+        for t, r in zip(g0, (0.0, 1.0)):                        # g0 completes and is trained; g1 does not
+            c.asm.add(Sample(t.task_id, "g0", [1], [2], [-1.0], [1], [0], r), 0)
+        for g in c.asm.take(1, 0):
+            c.problem_of.pop(g[0].group_id)
+        saved = [p.prompt for p in c.in_flight_problems()]
+        c2, _ = controller(max_model_len=0)
+        c2.problems = iter([Problem(f"new{i}", "0") for i in range(100)])
+        c2.readmit.extend(c.in_flight_problems())
+        await c2.admit()
+        again = [t.problem.prompt for t in c2.buffer.t.get_many_nowait("tasks", 100)]
+        return saved, again
+    saved, again = asyncio.run(main())
+    assert saved == ["short"]                                    # g1's prompt (g0's was trained)
+    assert again[:2] == ["short", "short"] and again[2] == "new0"
+
+
+def test_dataset_keys(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"q": "1+1?", "sol": "2", "prompt": "other"}) + "\n")
+    [p] = load_dataset(str(f), prompt_key="q", answer_key="sol")
+    assert (p.prompt, p.answer) == ("1+1?", "2")
+    with pytest.raises(ValueError, match="line 1.*'nope'"):
+        load_dataset(str(f), prompt_key="nope")
+
+
+def test_reasoning_gym_task_is_scored_by_its_own_verifier():
+    import random
+
+    import task
+    make = reasoning_gym_maker("basic_arithmetic", seed=3)
+    problems = [make(random.Random(i)) for i in range(5)]
+    assert all(p.kind == "rg:basic_arithmetic" and p.prompt for p in problems)
+    assert [task.reward(p, p.answer) for p in problems] == [1.0] * 5
+    assert task.reward(problems[0], "not a number") == 0.0
+    with pytest.raises(ValueError, match="--task"):
+        reasoning_gym_maker("no_such_task", seed=0)
+
+
+
+
+
+def test_prompt_format_follows_a_chat_template(chat_model):
+    """Multi-turn through a ChatML template: the tokens of prompt + action + observations equal
+    the template's rendering of the whole conversation (less what the model did not generate)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(chat_model["dir"])
+    fmt = PromptFormat(tok)
+    assert fmt.chat and fmt.eos_text == "<|im_end|>"
+    first = fmt.first("What is 2+2?")
+    action = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]       # the model ends its turn
+    obs = fmt.next("Right. Now 3+3?", ended_with_eos=True)
+    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                                     {"role": "user", "content": "Right. Now 3+3?"}], tokenize=True,
+                                    add_generation_prompt=True, return_dict=False)
+    assert first + action + obs == list(whole)
+    cut = fmt.next("More?", ended_with_eos=False)        # an action cut by the budget: the template closes it
+    assert tok.decode(cut).startswith("<|im_end|>")
+    assert PromptFormat(tok, use_template=False).first("hi") == tok.encode("hi")
