@@ -106,6 +106,7 @@ class AsyncController:
         self.prompt_len = prompt_len           # (Problem) -> its prompt's tokens as the engine will see them
         self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
         self.prompts_rejected = 0
+        self.eval_round: dict | None = None    # the evaluation round in flight (start_eval)
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
@@ -195,6 +196,9 @@ class AsyncController:
                 s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s))
             except TimeoutError:
                 continue                                 # a heartbeat, or the stall report, above
+            if s.meta.get("eval"):
+                self._eval_add(s)                        # evaluation: scored, never trained
+                continue
             closed_before, alive_before = len(asm.closed), s.group_id not in asm.dead
             asm.add(s, self.version)
             self.failed_received += s.failed
@@ -363,6 +367,48 @@ class AsyncController:
         self.unreported = {"synced_version": self.version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
                            "rollout_utilisation": self._utilisation(acks)}
         return self.unreported
+
+    # --- evaluation: held-out prompts through the same engines, never trained
+    async def start_eval(self, problems: list[Problem], k: int):
+        """Admit one evaluation round at the current version: every problem once greedy and k times
+        at temperature 1. Its samples come back with the training samples; collect() sets them aside;
+        eval_result() reports the round once every sample is in."""
+        if self.eval_round is not None:
+            return                                      # the previous round is still running: skip this one
+        tasks = []
+        for i, p in enumerate(problems):
+            gid = f"eval{self.version}.{i}"
+            tasks.append(RolloutTask(f"{gid}.greedy", gid, p, 1, self.version, "", eval_temperature=0.0))
+            tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, self.version, "", eval_temperature=1.0) for j in range(k)]
+        self.eval_round = {"version": self.version, "k": k, "left": len(tasks), "greedy": [], "sampled": []}
+        await self.buffer.put_tasks(tasks)
+
+    def _eval_add(self, s):
+        r = self.eval_round
+        if r is None or (s.failed and s.meta.get("retrying")):
+            return                                      # another attempt follows
+        (r["greedy"] if s.task_id.endswith(".greedy") else r["sampled"]).append(0.0 if s.failed else s.reward)
+        r["left"] -= 1
+
+    def eval_result(self) -> dict:
+        """The finished evaluation round's accuracy (greedy, and mean@k: the mean reward of the k
+        samples per prompt), once; {} while none has finished."""
+        r = self.eval_round
+        if r is None or r["left"] > 0:
+            return {}
+        self.eval_round = None
+        return {"eval_version": r["version"], "eval_greedy": sum(r["greedy"]) / max(len(r["greedy"]), 1),
+                f"eval_mean_at_{r['k']}": sum(r["sampled"]) / max(len(r["sampled"]), 1)}
+
+    async def finish_eval(self) -> dict:
+        """Wait for the running evaluation round (training samples meanwhile are left unconsumed)."""
+        while self.eval_round is not None and self.eval_round["left"] > 0:
+            s = await self.buffer.get_sample(timeout=self.cfg.timeout_s)
+            if s.meta.get("eval"):
+                self._eval_add(s)
+            else:
+                self.samples_unconsumed += 1
+        return self.eval_result()
 
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""

@@ -209,7 +209,7 @@ async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, 
                 await on_failure(Sample(
                     task.task_id, task.group_id, traj.prompt_ids, [], [], [], [], 0.0, finish_reason="failed",
                     rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version, failed=True,
-                    meta={"error": str(e), "timeout": e.timeout, "attempt": attempt,
+                    meta={"error": str(e), "timeout": e.timeout, "attempt": attempt, "eval": task.eval_temperature is not None,
                           "retrying": attempt < cfg.max_retries, "sample_index": index}))
     return None
 
@@ -238,10 +238,11 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
                          f"tokens leaves no room under max_total_tokens={cap}")
     for turn in range(cfg.max_turns):
         room = cap - len(traj.prompt_ids) - len(traj.response_ids)
+        temperature = cfg.temperature if task.eval_temperature is None else task.eval_temperature
         if task.problem.target_len > 0:      # benchmark: exactly target_len tokens per turn
-            sampling = Sampling(min(task.problem.target_len, room), cfg.temperature, ignore_eos=True)
+            sampling = Sampling(min(task.problem.target_len, room), temperature, ignore_eos=True)
         else:
-            sampling = Sampling(min(cfg.max_tokens, room), cfg.temperature)
+            sampling = Sampling(min(cfg.max_tokens, room), temperature)
         traj.request_id = f"r{proxy.rank}-{task.task_id}-{tag}-t{turn}"
         c = await proxy.generate(traj.prompt_ids + traj.response_ids, sampling, request_id=traj.request_id)
         traj.request_id = None
@@ -261,7 +262,8 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         traj.add(obs_ids)
     return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask,
                   traj.versions, min(1.0, max(0.0, traj.reward)), finish_reason=traj.finish_reason,
-                  rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version, meta=meta or {})
+                  rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
+                  meta={**(meta or {}), "eval": task.eval_temperature is not None})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +380,8 @@ class EnvManager:
         except EngineError as e:   # the engine died under the update: a new one gets these weights
             await self._recover(e, version=v)
         t2 = now()
-        stale = [tid for tid in self.jobs if not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]
+        stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None
+                 and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]   # (evaluation is never trained)
         await self._abort(stale, "aborted_stale")
         probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
@@ -465,7 +468,7 @@ class EnvManager:
                 self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
                                   rank=self.rank, admit_version=t.admit_version, failed=True,
                                   meta={"error": f"engine lost: {failure}", "retrying": False, "engine_lost": True,
-                                        "sample_index": i, "timeout": False}))
+                                        "sample_index": i, "timeout": False, "eval": t.eval_temperature is not None}))
         self.lost, self.engine_failure = [], None
         await self._flush()
         self.proxy.replace_engine(await self.restart_engine())

@@ -75,8 +75,8 @@ class Sampling:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"Sampling.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"Sampling.temperature must be > 0, got {self.temperature}")
+        if self.temperature < 0:
+            raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy, for evaluation), got {self.temperature}")
 
 
 @dataclass

@@ -200,7 +200,9 @@ class RunLog:
                 f"{r['staleness_mean']:.2f} | dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | "
                 f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
-                f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}")
+                f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}"
+                + "".join(f" | {k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in r.items()
+                          if k.startswith("eval_") and k != "eval_version"))
 
     def finish(self, extra: str = ""):
         """End of the run: the last events, the tracker closed, the summary."""

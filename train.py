@@ -100,6 +100,11 @@ class Config:
     micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
+    eval_every: int = opt(0, "held-out accuracy (greedy and mean@k) every N versions and at the end; 0 = never")
+    eval_prompts: int = opt(64, "held-out prompts per evaluation")
+    eval_k: int = opt(4, "samples per held-out prompt at temperature 1 (mean@k)")
+    eval_data: str = opt("", "held-out JSONL/parquet; default: the last --eval-prompts rows of --data, or "
+                             "generated problems from a seed training never uses")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N syncs; 0 = never")
     timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing")
     seed: int = opt(0, "seeds data order and the trainer")
@@ -127,6 +132,8 @@ class Config:
                              "--reward-workers >= -1 (-1 = auto)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.eval_every < 0 or self.eval_prompts < 1 or self.eval_k < 1:
+            raise ValueError("--eval-every must be >= 0, --eval-prompts and --eval-k >= 1")
         if self.data and self.task:
             raise ValueError("--data and --task: pick one source of problems")
         if self.save_every < 0 or self.check_sync_every < 0:
@@ -290,6 +297,32 @@ class TrainerRanks:
             tr.save_checkpoint(self.cfg.out_dir, op["state"], self.model_dir)
 
 
+def evaluation_set(cfg: Config, problems):
+    """--eval-every: the held-out prompts, and the training problems left. --eval-data if given;
+    else the last --eval-prompts rows of --data (kept out of training); else generated ones from a
+    seed training never uses (the embedded task, --task)."""
+    import random
+
+    import task
+    n = cfg.eval_prompts
+    if cfg.eval_data:
+        return task.load_dataset(cfg.eval_data, cfg.prompt_key, cfg.answer_key)[:n], problems
+    if problems is not None:
+        if len(problems) <= n:
+            raise ValueError(f"--eval-every: --data has {len(problems)} rows, too few to hold out --eval-prompts {n}; "
+                             f"pass --eval-data")
+        return problems[-n:], problems[:-n]
+    if cfg.task:
+        make = task.reasoning_gym_maker(cfg.task, cfg.seed + 1_000_003)
+        return [make(random.Random(i)) for i in range(n)], None
+    return task.make_problems(n, seed=cfg.seed + 1_000_003), None
+
+
+def eval_line(e: dict) -> str:
+    return f"evaluation of version {e['eval_version']}: " + ", ".join(
+        f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in e.items() if k != "eval_version")
+
+
 def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
     import task
     from buffer import ManagerQueues, SampleBuffer
@@ -311,6 +344,9 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     host, port, key = buffer_addr
     buffer = SampleBuffer(ManagerQueues.serve(host, port, key, cfg.rollout_gpus), "trainer rank 0", cfg.timeout_s)
     problems = task.load_dataset(cfg.data, cfg.prompt_key, cfg.answer_key) if cfg.data else None
+    eval_set = []
+    if cfg.eval_every:
+        eval_set, problems = evaluation_set(cfg, problems)
     make = task.reasoning_gym_maker(cfg.task, cfg.seed) if cfg.task else task.make_problem
     data_pos = state["data_position"] if state else 0
     stream = problem_stream(problems, cfg.seed, data_pos, make=make)
@@ -338,9 +374,17 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             t2 = time.monotonic()
             send = lambda: broadcast_weights(named, groups.sync, bucket_bytes, device, "trainer rank 0")
             sync = await ctrl.sync_weights(ctrl.version + 1, send, weight_meta(named), probe_ref)   # postprocess
-            log.step(step + 1, ctrl.version, info, metrics, sync, t2 - t1, time.monotonic() - t0)
+            evaluation = ctrl.eval_result()                                   # a round that finished meanwhile
+            if eval_set and step + 1 == cfg.steps:                            # the final weights, always
+                if earlier := evaluation or await ctrl.finish_eval():          # (a round still in flight first)
+                    print0(eval_line(earlier))
+                await ctrl.start_eval(eval_set, cfg.eval_k)
+                evaluation = await ctrl.finish_eval()
+            elif eval_set and ctrl.version % cfg.eval_every == 0:
+                await ctrl.start_eval(eval_set, cfg.eval_k)                    # held-out accuracy of this version
+            log.step(step + 1, ctrl.version, {**info, **evaluation}, metrics, sync, t2 - t1, time.monotonic() - t0)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-                # data position = problems drawn so far: groups admitted but not yet trained are skipped on resume
+                # data position: problems drawn so far; those admitted but not yet trained are kept apart
                 ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
                             "data_position": data_pos + ctrl.groups_drawn,
                             "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()]})

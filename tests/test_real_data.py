@@ -139,3 +139,27 @@ def test_prompt_format_follows_a_chat_template(chat_model):
     cut = fmt.next("More?", ended_with_eos=False)        # an action cut by the budget: the template closes it
     assert tok.decode(cut).startswith("<|im_end|>")
     assert PromptFormat(tok, use_template=False).first("hi") == tok.encode("hi")
+
+
+def test_an_evaluation_round_is_scored_apart_from_training():
+    """Evaluation samples travel with the training samples but are never trained: greedy and mean@k
+    come from them, a retried failure waits for its retry, a final failure scores 0."""
+    from buffer import Sample
+
+    async def main():
+        c, _ = controller(max_model_len=0)
+        await c.start_eval([Problem("a", "1"), Problem("b", "2")], k=2)
+        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        assert sorted(t.eval_temperature for t in tasks) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+        right = {"eval0.0.greedy": 1.0, "eval0.0.t0": 1.0, "eval0.0.t1": 0.0, "eval0.1.greedy": 0.0, "eval0.1.t0": 1.0}
+        for t in tasks:
+            if t.task_id == "eval0.1.t1":      # fails once (retried), then for good
+                for retrying in (True, False):
+                    c._eval_add(Sample(t.task_id, t.group_id, [1], [], [], [], [], 0.0, failed=True,
+                                       meta={"eval": True, "retrying": retrying}))
+                continue
+            assert c.eval_result() == {}
+            c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id], meta={"eval": True}))
+        return c.eval_result(), c.eval_result(), c.asm.num_ready() + len(c.asm.pending)
+    done, again, trained = asyncio.run(main())
+    assert done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5} and again == {} and trained == 0

@@ -80,7 +80,8 @@ def rows(out_dir) -> list[dict]:
 @pytest.mark.parametrize("async_ratio", [2, 0])
 def test_async_and_sync_runs(tmp_path, async_ratio):
     out = tmp_path / f"ratio{async_ratio}"
-    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0"), out)
+    evaluation = ["--eval-every", "2", "--eval-prompts", "8", "--eval-k", "2"] if async_ratio else []
+    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0", *evaluation), out)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["version"] for x in r] == [1, 2, 3, 4]
     for x in r:
         assert x["staleness_max"] <= async_ratio
@@ -92,6 +93,12 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
             assert key in x, key
     if async_ratio == 0:
         assert all(x["staleness_max"] == 0 for x in r)
+    else:      # held-out evaluation: version 2's round lands in a later row, the final one in the last row
+        evals = [x for x in r if "eval_version" in x]
+        log = Path(out).with_suffix(".log").read_text()
+        assert r[-1]["eval_version"] == 4                                  # the final weights, always
+        assert 2 in [x["eval_version"] for x in evals] or "evaluation of version 2" in log
+        assert all(0.0 <= x["eval_greedy"] <= 1.0 and 0.0 <= x["eval_mean_at_2"] <= 1.0 for x in evals)
     assert (out / "checkpoint" / "state.json").exists()
 
 
