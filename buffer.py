@@ -92,12 +92,14 @@ def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
 class Cmd(enum.StrEnum):
     SYNC = "sync"                  # load weights `version`: suspend, ack, receive, load, resume, ack
     ABORT_GROUPS = "abort_groups"  # the controller no longer wants these groups: abort their work
+    SLEEP = "sleep"                # --colocate: end all work, free the engine's memory for training (ack SLEPT)
     STOP = "stop"                  # end the rollout loop (ack STOPPED)
 
 
 class Phase(enum.StrEnum):
     READY = "ready"                # the rank's engine is up and its rollout loop runs; carries the probe
     SYNCED = "synced"              # SYNC: received, loaded, resumed, stale work aborted; engine stats, probe
+    SLEPT = "slept"                # SLEEP: the engine is asleep; the next SYNC wakes it
     STOPPED = "stopped"            # STOP: every trajectory ended; carries the rank's counters
 
 

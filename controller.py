@@ -29,6 +29,8 @@ The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues
 | (the broadcast) | trainer rank 0 -> rollout ranks | the weights, in buckets (send_fn / receive_weights) | the sync group's timeout |
 | Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times, timeline events | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
 | Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
+| Cmd SLEEP | controller -> each rollout rank (--colocate) | - | - |
+| Ack SLEPT | rollout rank -> controller | rank: its engine released its memory | sleep_engines: timeout_s |
 | Cmd STOP | controller -> each rollout rank | - | - |
 | Ack STOPPED | rollout rank -> controller | rank, the env manager's counters, timeline events | stop: timeout_s |
 
@@ -358,6 +360,14 @@ class AsyncController:
             for a in got:
                 self.events.extend(a.events or [])
         return got
+
+    async def sleep_engines(self):
+        """--colocate: every engine ends its work and frees its GPU memory for the trainer on the same
+        GPU; the next sync_weights wakes them (the load needs them awake)."""
+        self.unreported = await self.finish_sync()   # the previous SYNC's acks first (reported by the next sync)
+        for r in range(self.num_ranks):
+            await self.buffer.send_command(r, Command(Cmd.SLEEP))
+        await self._wait_acks(Phase.SLEPT, None)
 
     async def wait_ready(self, probe_ref: list[float] | None = None) -> dict:
         """Wait until every rollout rank reports its engine up (ack READY). With probe_ref (the

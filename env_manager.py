@@ -360,6 +360,10 @@ class EnvManager:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} took longer "
                                    f"than {self.cfg.sync_timeout_s:.0f}s") from None
+        elif cmd.kind == Cmd.SLEEP:          # colocated: the trainer needs this GPU's memory now
+            await self._abort(list(self.jobs), "aborted_by_request")
+            await self.proxy.sleep()
+            await self.buffer.put_ack(Ack(self.rank, Phase.SLEPT))
         elif cmd.kind == Cmd.ABORT_GROUPS:
             groups = set(cmd.group_ids)
             self.aborted_groups |= groups

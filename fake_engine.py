@@ -83,6 +83,7 @@ class FakeTimedEngine:
         self.waiting: deque[str] = deque()      # not admitted: new (tail) or preempted (head)
         self.blocks_used = 0
         self.paused = False
+        self.asleep = False                     # sleep(): colocated mode's memory release
         self.hang = False                       # tests: True makes the engine stop answering
         self.num_loads = 0
         self.num_steps = 0
@@ -230,7 +231,16 @@ class FakeTimedEngine:
         self.paused = False
         self._wake.set()
 
+    async def sleep(self):                      # colocated mode: memory released (paused, nothing kept)
+        await self.pause("abort")
+        self.asleep = True
+
+    async def wake(self):
+        self.asleep = False
+
     async def load_weights(self, buckets):
+        if self.asleep:
+            raise RuntimeError("fake engine: load_weights while asleep (vLLM needs wake_up first)")
         for _ in buckets:                       # consume the (real) serialized buckets
             pass
         await asyncio.sleep(self.load_s)

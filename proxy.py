@@ -140,7 +140,7 @@ class VLLMEngine:
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
               kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.85, dtype: str = "float32",
-              seed: int = 0, cpu_cores: str = "", **engine_kwargs) -> "VLLMEngine":
+              seed: int = 0, cpu_cores: str = "", sleep_mode: bool = False, **engine_kwargs) -> "VLLMEngine":
         """max_model_len None: the model's own (max_position_embeddings). dtype float32 on CPU keeps
         engine and trainer logprobs equal to ~1e-6; GPUs run bfloat16. KV cache: kv_cache_gib on CPU
         (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU."""
@@ -163,6 +163,7 @@ class VLLMEngine:
         import torch
         if torch.cuda.is_available():
             engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
+            engine_kwargs.setdefault("enable_sleep_mode", sleep_mode)     # --colocate
         args = AsyncEngineArgs(
             model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
@@ -195,6 +196,15 @@ class VLLMEngine:
 
     async def resume(self):
         await self.llm.resume_generation()
+
+    async def sleep(self):
+        """Colocated mode: free the GPU memory for the trainer (weights offloaded, KV cache dropped;
+        needs enable_sleep_mode at start, CUDA only)."""
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+        await self.llm.sleep(level=1, mode="abort")
+
+    async def wake(self):
+        await self.llm.wake_up()
 
     async def load_weights(self, buckets: Iterable[bytes]):
         for data in buckets:
@@ -248,6 +258,7 @@ class LLMProxy:
         self.status = Status.RUNNING
         self.version = 0
         self.suspend_mode = "keep"
+        self.asleep = False                   # sleep()ing: colocated mode, memory given to the trainer
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._ids = itertools.count()
@@ -429,11 +440,24 @@ class LLMProxy:
         await self._call(f"suspend({mode})", self.engine.pause(mode))
         self._phase("suspend", wall0)
 
+    async def sleep(self):
+        """Colocated mode: suspend (ending every request) and let the engine release its memory
+        while the trainer trains on the same GPU. The next update_weights (or resume) wakes it."""
+        await self.suspend("abort")
+        await self._call("sleep", self.engine.sleep(), timeout=max(self.timeout_s, 300))
+        self.asleep = True
+
+    async def _wake(self):
+        if self.asleep:
+            await self._call("wake", self.engine.wake(), timeout=max(self.timeout_s, 300))
+            self.asleep = False
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
         """Load new weights (HF names) into the engine; tokens sampled after resume carry `version`."""
         if self.status != Status.SUSPENDED:
             raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
                                f"(call suspend first), status is {self.status.value}")
+        await self._wake()
         wall0 = time.time()
         await self._call("update_weights", self.engine.load_weights(pack_buckets(named_tensors, self.bucket_bytes)),
                          timeout=max(self.timeout_s, 300))
@@ -444,6 +468,7 @@ class LLMProxy:
         self._check_running("resume")
         if self.status != Status.SUSPENDED:
             return
+        await self._wake()
         wall0 = time.time()
         await self._call("resume", self.engine.resume())
         self._phase("resume", wall0)

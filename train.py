@@ -81,6 +81,9 @@ class Config:
     rollout_mode: str = opt("queue", "queue (per-sample scheduling) | batch (barrier baseline)")
     replicate: bool = opt(True, "prompt replication: a prompt's samples spread over all engines")
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
+    colocate: bool = opt(False, "GPU: the synchronous baseline on shared GPUs: rollout rank i on trainer rank i's "
+                                "GPU (2 processes per GPU); engines sleep (free their memory) while the trainer "
+                                "trains; needs --async-ratio 0 and --rollout-gpus == --train-gpus")
     max_tokens: int = opt(0, "response tokens per model turn; 0 = 8 for the embedded model, else 1024")
     max_model_len: int = opt(0, "engine context (prompt + whole trajectory), tokens; 0 = the model's own")
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
@@ -134,6 +137,9 @@ class Config:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.eval_every < 0 or self.eval_prompts < 1 or self.eval_k < 1:
             raise ValueError("--eval-every must be >= 0, --eval-prompts and --eval-k >= 1")
+        if self.colocate and (self.async_ratio != 0 or self.rollout_gpus != self.train_gpus):
+            raise ValueError("--colocate: the same GPUs generate then train, so it needs --async-ratio 0 and "
+                             "--rollout-gpus == --train-gpus")
         if self.data and self.task:
             raise ValueError("--data and --task: pick one source of problems")
         if self.save_every < 0 or self.check_sync_every < 0:
@@ -160,7 +166,7 @@ class Config:
         return dataclasses.replace(
             self, max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
             max_tokens=self.max_tokens or (8 if embedded else 1024),
-            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32"),
+            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32"),
             reward_workers=self.reward_workers if self.reward_workers >= 0 else
             (0 if not (self.data or self.task or self.reward) else 1))
 
@@ -187,15 +193,19 @@ def init_distributed(cfg: Config):
         sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus} = "
                  f"{cfg.rollout_gpus + cfg.train_gpus}, but torchrun started {world} ranks (WORLD_SIZE)")
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if cuda:      # this rank's GPU; under --colocate a trainer rank and a rollout rank share one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    elif cfg.colocate:
+        sys.exit("train.py: --colocate needs GPUs: vLLM's sleep mode, which frees an engine's memory while the "
+                 "trainer trains on the same GPU, is CUDA-only")
     timeout = timedelta(seconds=cfg.timeout_s)
     long = timedelta(seconds=max(cfg.timeout_s, 1800))             # long: the first rank may build the model
     dist.init_process_group("gloo", store=restart_store(rank, world, long), rank=rank, world_size=world, timeout=long)
     backend = "nccl" if cuda else "gloo"
     trainer_group = dist.new_group(list(range(cfg.train_gpus)), timeout=timeout, backend=backend)
     sync_group = dist.new_group([0] + list(range(cfg.train_gpus, world)), timeout=timeout, backend=backend)
-    return rank, world, ("cuda" if cuda else "cpu"), Groups(trainer_group, sync_group)
+    device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"    # explicit: worker threads default to cuda:0
+    return rank, world, device, Groups(trainer_group, sync_group)
 
 
 def restart_store(rank: int, world: int, timeout: timedelta):
@@ -207,6 +217,15 @@ def restart_store(rank: int, world: int, timeout: timedelta):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent and rank == 0, timeout=timeout)
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a rollout rank's engine processes: this rank's own GPU (LOCAL_RANK
+    round robin over the node's GPUs, as torch.cuda.set_device above; under --colocate two ranks share
+    one), named as the parent sees it (a user's CUDA_VISIBLE_DEVICES list is honoured). vLLM's
+    engine otherwise takes device 0, so every engine of a node would land on one GPU."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    return ids[local_rank % len(ids)]
 
 
 def collective(phase: str, fn, *args, **kwargs):
@@ -368,6 +387,8 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
         for step in range(state["step"] if state else 0, cfg.steps):
             t0 = time.monotonic()
             batch, info = await ctrl.collect()                                 # schedule + run: B fresh groups
+            if cfg.colocate:
+                await ctrl.sleep_engines()                                     # their GPUs' memory, for training
             adv = group_advantages(torch.tensor([s.reward for s in batch]), cfg.group_size).tolist()
             t1 = time.monotonic()
             metrics, named, probe_ref = ranks.train(batch, adv, probe=probe_due(ctrl.version + 1))   # all trainer ranks
@@ -450,10 +471,14 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 
     # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
     cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
+    if device.startswith("cuda"):     # GPU: the engine's processes see only this rank's GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
+                                                        os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
     start_engine = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=cores,
                                      max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len,
                                      dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose)
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose,
+                                     sleep_mode=cfg.colocate)
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)

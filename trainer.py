@@ -287,7 +287,10 @@ def broadcast_weights(named, group, bucket_bytes: int, device, who: str):
 
 
 def receive_weights(meta, group, bucket_bytes: int, device, who: str) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side (rollout ranks). Returns HF-named CPU tensors."""
+    """Receiver side (rollout ranks). Returns HF-named CPU tensors. Runs in a worker thread: the
+    current CUDA device is per thread, so it is set here (else every rank would receive on cuda:0)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
     out = []
     for b, idx in enumerate(plan_buckets(meta, bucket_bytes)):
         sizes = [torch.Size(meta[i][1]).numel() for i in idx]
