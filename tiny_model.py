@@ -52,11 +52,11 @@ class TinyConfig:
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
 
 # A chat template so the chat path (envs.PromptFormat) runs on the embedded model too. It renders a
-# conversation as the plain text the model was warm-started on: a user turn is its text, an assistant
-# turn its text + <eos>, no generation prompt; so "37+485=" stays "37+485=", and a multi-turn game
-# stays action<eos>observation. Not part of the build hash: an older build gets it added in place.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}"
-                 "{% endfor %}")
+# conversation as the plain text the model was warm-started on: every turn is just its text, no
+# generation prompt, nothing closing a turn (the model writes its own <eos>); so "37+485=" stays
+# "37+485=" and a game stays action<eos>observation, as without a template. Not part of the build
+# hash: a cached build gets it (re)written in place.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def build_tokenizer():
@@ -146,7 +146,7 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
     meta_path = out_dir / "build.json"
     if not force and meta_path.exists() and json.loads(meta_path.read_text()).get("hash") == _build_hash(cfg):
         template = out_dir / "chat_template.jinja"
-        if not template.exists():          # a build from before the template: add it (atomically)
+        if not template.exists() or template.read_text() != CHAT_TEMPLATE:   # add or update it (atomically)
             template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
             os.replace(template.with_suffix(".tmp"), template)
         return out_dir
