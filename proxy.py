@@ -171,6 +171,11 @@ class VLLMEngine:
             **engine_kwargs)
         return cls(AsyncLLM.from_engine_args(args))
 
+    @property
+    def dead(self) -> bool:
+        """The engine core process is gone (vLLM saw it die) or its output loop has failed."""
+        return self.llm is not None and self.llm.errored
+
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
                      cache_salt: str | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
         from vllm import SamplingParams
@@ -405,14 +410,20 @@ class LLMProxy:
         raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish reason")
 
     async def _watchdog(self):
-        """While requests are in flight and the proxy is not suspended, an engine that produces no
-        token for timeout_s is dead or stuck: every waiting generate() then fails with EngineError."""
+        """While requests are in flight: an engine whose process is gone (the backend says it is dead)
+        fails at the next tick; one that produces no token for timeout_s while not suspended is
+        stuck. Either way every waiting generate() then fails with EngineError. (vLLM does not
+        always wake a request's stream when its engine core dies: seen with a SIGKILLed core.)"""
         while self.status != Status.STOPPED:
-            await asyncio.sleep(self.timeout_s / 8)
+            # (a backend that can tell it is dead is asked every second; others are only timed)
+            await asyncio.sleep(min(self.timeout_s / 8, 1.0) if hasattr(self.engine, "dead") else self.timeout_s / 8)
             silent = now() - self._last_progress
-            if self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s:
-                self._failure = EngineError(f"rollout rank {self.rank}: engine produced nothing for "
-                                            f"{silent:.0f}s during generate ({self.num_in_flight} requests waiting)")
+            dead = self.num_in_flight > 0 and getattr(self.engine, "dead", False)
+            if dead or (self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s):
+                self._failure = EngineError(
+                    f"rollout rank {self.rank}: " + ("the engine process died" if dead else
+                                                     f"engine produced nothing for {silent:.0f}s during generate")
+                    + f" ({self.num_in_flight} requests waiting)")
                 for t in list(self._consumers):
                     t.cancel()
                 return

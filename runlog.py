@@ -202,7 +202,7 @@ class RunLog:
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
                 f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}"
                 + "".join(f" | {k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in r.items()
-                          if k.startswith("eval_") and k != "eval_version"))
+                          if k.startswith("eval_") and k != "eval_version" and v is not None))
 
     def finish(self, extra: str = ""):
         """End of the run: the last events, the tracker closed, the summary."""

@@ -159,6 +159,21 @@ def test_hung_engine_raises_naming_rank_and_phase():
     assert 60.0 <= run_virtual(main()) <= 30 * 1.125 + 30 + 1
 
 
+def test_dead_engine_process_fails_its_requests_at_once():
+    """A backend that can tell its process died (VLLMEngine.dead: vLLM's errored flag) fails the
+    waiting requests within a second or two, not after timeout_s of silence: vLLM does not always
+    wake a request's stream when its engine core is SIGKILLed."""
+    async def main():
+        p = make_proxy()
+        p.engine.hang = True          # the stream goes silent, as with a killed engine core
+        p.engine.dead = True          # and the backend knows it
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineError, match=r"rank 3: the engine process died"):
+            await p.generate([1], Sampling(max_tokens=4))
+        return asyncio.get_running_loop().time() - t0
+    assert run_virtual(main()) <= 2.0             # timeout_s is 30 here
+
+
 def test_after_shutdown_calls_fail_clearly():
     async def main():
         p = make_proxy()
