@@ -377,17 +377,21 @@ class EnvManager:
         v, t0 = cmd.version, now()
         self.weights = await self.receive_weights(cmd) if self.receive_weights is not None else []
         t1 = now()
-        try:
-            await self.proxy.suspend(self.cfg.suspend_mode)
-            await self.proxy.update_weights(self.weights, v)
-            await self.proxy.resume()
-        except EngineError as e:   # the engine died under the update: a new one gets these weights
-            await self._recover(e, version=v)
-        t2 = now()
-        stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None
-                 and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]   # (evaluation is never trained)
-        await self._abort(stale, "aborted_stale")
-        probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
+        for attempt in (1, 2):
+            try:
+                await self.proxy.suspend(self.cfg.suspend_mode)
+                await self.proxy.update_weights(self.weights, v)
+                await self.proxy.resume()
+                t2 = now()
+                stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None   # (evaluation
+                         and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]      # is never trained)
+                await self._abort(stale, "aborted_stale")
+                probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
+                break
+            except EngineError as e:   # the engine died under the update: a new one, these weights, once more
+                if attempt == 2:
+                    raise
+                await self._recover(e, version=v)
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
                                       timings={"receive_s": t1 - t0, "load_s": t2 - t1},
                                       events=self.proxy.take_events()))

@@ -634,3 +634,40 @@ def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(t
     assert len(fresh) == 1 and fresh[0].num_loads == 1     # the new engine got the last weights ...
     assert not after.failed and set(after.versions) == {3}  # ... at their version, and serves new work
     assert (stats["engine_restarts"], stats["samples_lost_to_engine"]) == (1, 4)
+
+
+def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_sync_completes(tok):
+    """The engine dies after the load, while the rank scores the probe for the SYNCED ack (seen
+    under torchrun with a SIGKILLed engine worker): the rank starts a new engine with the weights it
+    just received, runs the sync's steps again, and acks SYNCED with the probe; the run goes on."""
+    import torch
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        fresh_engines = []
+
+        async def restart_engine():
+            fresh_engines.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
+            return fresh_engines[-1]
+
+        async def receive_weights(cmd):
+            return [("w", torch.ones(2))]
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
+                         probe_ids=[1, 2, 3], length_sampler=lambda rng: 5)
+        m.restart_engine = restart_engine
+
+        async def dead_score(token_ids):
+            raise RuntimeError("EngineCore encountered an issue")     # what vLLM raises once its core is gone
+        run = asyncio.create_task(m.run())
+        await acks_until(buf, Phase.READY)
+        m.proxy.engine.score = dead_score
+        await buf.send_command(0, Command(Cmd.SYNC, 4, probe=True))
+        synced = (await acks_until(buf, Phase.SYNCED, 4))[-1]
+        await buf.put_task(add_task("after", "g9"))
+        [(_, after)] = await collect(buf, 1, timeout=200)
+        [stats] = await stop_all(buf, [m], [run])
+        return synced, after, stats, fresh_engines
+    synced, after, stats, fresh = run_virtual(main())
+    assert synced.probe is not None and len(synced.probe) == 2
+    assert stats["engine_restarts"] == 1 and len(fresh) == 1 and fresh[0].num_loads >= 1
+    assert not after.failed and set(after.versions) == {4}

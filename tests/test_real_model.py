@@ -45,8 +45,13 @@ def test_prefix_cache_never_serves_old_weights_after_an_update(chat_model):
     try:
         async def main():
             before = await proxy.generate(prompt, Sampling(max_tokens=4))        # caches the prompt's blocks
-            hold = asyncio.ensure_future(proxy.generate(other, Sampling(max_tokens=300, ignore_eos=True)))
-            await asyncio.sleep(1.0)
+            tokens = proxy.num_tokens
+            # a request that needs hundreds of decode steps; suspend as soon as its first token is out
+            hold = asyncio.ensure_future(proxy.generate(other, Sampling(max_tokens=1024 - len(other) - 8,
+                                                                        ignore_eos=True)))
+            while proxy.num_tokens == tokens:
+                assert not hold.done(), hold
+                await asyncio.sleep(0.005)
             await proxy.suspend("keep")
             await proxy.update_weights(new, 1)
             await proxy.resume()
