@@ -326,16 +326,30 @@ class LLMProxy:
             raise EngineError(f"rollout rank {self.rank}: {phase} called after shutdown")
 
     async def _call(self, phase: str, coro, timeout: float | None = None):
-        """An engine call under a timeout; any failure of the engine becomes EngineError."""
+        """An engine call under a timeout; any failure of the engine becomes EngineError. A backend
+        that can tell it is dead is asked every second meanwhile: vLLM's utility calls (pause, load)
+        wait forever for an answer from an engine core that was killed."""
+        timeout = timeout or self.timeout_s
+        task = asyncio.ensure_future(coro)
+        deadline = now() + timeout
         try:
-            return await asyncio.wait_for(coro, timeout or self.timeout_s)
-        except asyncio.TimeoutError:
-            raise EngineError(f"rollout rank {self.rank}: engine did not answer within "
-                              f"{timeout or self.timeout_s:.0f}s during {phase}") from None
+            while not task.done():
+                if hasattr(self.engine, "dead"):
+                    await asyncio.wait({task}, timeout=max(0.0, min(1.0, deadline - now())))
+                    if not task.done() and self.engine.dead:
+                        raise EngineError(f"rollout rank {self.rank}: the engine process died during {phase}")
+                else:
+                    await asyncio.wait({task}, timeout=max(0.0, deadline - now()))
+                if not task.done() and now() >= deadline:
+                    raise EngineError(f"rollout rank {self.rank}: engine did not answer within {timeout:.0f}s "
+                                      f"during {phase}")
+            return task.result()
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
             raise EngineError(f"rollout rank {self.rank}: engine failed during {phase}: {e!r}") from e
+        finally:
+            task.cancel()         # (a no-op when it finished)
 
     # --- generation
     async def generate(self, prompt_token_ids: list[int], sampling: Sampling,

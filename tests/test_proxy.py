@@ -174,6 +174,25 @@ def test_dead_engine_process_fails_its_requests_at_once():
     assert run_virtual(main()) <= 2.0             # timeout_s is 30 here
 
 
+def test_engine_call_on_a_dead_engine_fails_at_once():
+    """vLLM's utility calls (pause, load) wait forever for a killed engine core's answer: the proxy
+    asks the backend whether it is dead every second and fails the call, instead of waiting out
+    timeout_s (30 s here)."""
+    async def main():
+        p = make_proxy()
+        p.engine.dead = False
+
+        async def never():
+            await asyncio.Event().wait()
+        p.engine.pause = lambda mode: never()
+        asyncio.get_running_loop().call_later(5.0, setattr, p.engine, "dead", True)   # killed 5 s in
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineError, match=r"rank 3: the engine process died during suspend"):
+            await p.suspend("keep")
+        return asyncio.get_running_loop().time() - t0
+    assert 5.0 <= run_virtual(main()) <= 6.5
+
+
 def test_after_shutdown_calls_fail_clearly():
     async def main():
         p = make_proxy()
