@@ -368,6 +368,9 @@ class SampleBuffer:
 # group assembly (GRPO) with the freshness rule and dynamic filtering
 
 
+ORDERS = ("oldest", "freshest")     # GroupAssembler.take: which complete groups go to the trainer first
+
+
 class GroupAssembler:
     """Collects samples into GRPO groups of `group_size` by group_id.
 
@@ -379,14 +382,20 @@ class GroupAssembler:
       an older version and then went stale is never returned.
     - Redundant rollout runs more samples of a group than it needs: the first `group_size` to
       arrive make the group; later ones are surplus, dropped and counted.
+    - take() hands out complete groups oldest first (order="oldest": in the order they completed)
+      or freshest first (order="freshest": by the version of their oldest token, newest first; ties
+      in completion order), the paper's preference for fresher samples. Either way only fresh ones.
     Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or
     one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus).
     """
 
-    def __init__(self, group_size: int, async_ratio: int, filter_groups: bool = True):
+    def __init__(self, group_size: int, async_ratio: int, filter_groups: bool = True, order: str = "oldest"):
+        if order not in ORDERS:
+            raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {order!r}")
         self.group_size = group_size
         self.async_ratio = async_ratio
         self.filter_groups = filter_groups
+        self.order = order
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
         self.dead: set[str] = set()       # groups that can no longer complete (stale, or a sample given up on)
@@ -461,8 +470,10 @@ class GroupAssembler:
         return dropped
 
     def take(self, num_groups: int, version: int) -> list[list[Sample]]:
-        """Up to num_groups complete, fresh groups, oldest first."""
+        """Up to num_groups complete, fresh groups, in the assembler's order."""
         self.evict_stale(version)
+        if self.order == "freshest":     # stable: equally fresh groups stay in completion order
+            self.ready.sort(key=lambda g: -min(s.oldest_version for s in g))
         out, self.ready = self.ready[:num_groups], self.ready[num_groups:]
         return out
 

@@ -50,7 +50,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from buffer import Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
+from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
 from config import flag
 from proxy import now   # event-loop time: real in train.py, virtual in sim.py
 from task import Problem
@@ -65,6 +65,7 @@ class ControllerConfig:
     replicate: bool = True        # prompt replication: a group's samples are independent tasks
     rollout_mode: str = "queue"   # "queue" or "batch" (barrier baseline)
     filter_groups: bool = True     # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    sample_order: str = "oldest"   # which complete groups train first: oldest | freshest (buffer.GroupAssembler)
     env: str = ""                 # "" single-turn RLVR, else an environment name
     env_redundancy: int = 0       # extra trajectories per env group; the first G to finish are kept
     timeout_s: float = 600.0      # max wait for a sample or an ack; also: no new ready group for this long = a stall
@@ -76,6 +77,8 @@ class ControllerConfig:
                           ("env_redundancy", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
+        if self.sample_order not in ORDERS:
+            raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {self.sample_order!r}")
         if self.rollout_mode not in ("queue", "batch"):
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
         if self.timeout_s <= 0:
@@ -99,7 +102,7 @@ class AsyncController:
         self.num_ranks = num_rollout_ranks
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
-        self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups)
+        self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups, cfg.sample_order)
         self.groups_admitted = 0
         self.groups_taken = 0
         self.groups_drawn = 0                  # problems taken from the stream (the data position)

@@ -16,9 +16,11 @@ Per-token losses to minimise (A = advantage, sg = stop-gradient, clip(x, lo, hi)
     ppo            max(-r A, -clip(r, 1-clip_low, 1+clip_high) A)
                    and, if dual_clip = c is set, for A < 0: min(that, -c A)   (dual-clip PPO, Ye et al. 2020)
     decoupled_ppo  w * [ppo loss with r' = pi / pi_prox], w = sg(pi_prox / mu)
-                   pi_prox = the trainer's weights before this update (`prox_logp`): the trust region is
-                   centred on pi_prox, mu only enters through the IS weight w (Hilton et al. 2021;
-                   AReaL). The dual clip, when set, applies to the bracket, before the weight w.
+                   pi_prox = the trainer's weights before this batch's first update (`prox_logp`): the
+                   trust region is centred on pi_prox, mu only enters through the IS weight w (Hilton et
+                   al. 2021; AReaL). The dual clip, when set, applies to the bracket, before the weight w.
+                   With behav_weight_cap = C (AReaL's behav_imp_weight_cap), a token whose w > C is
+                   dropped: its loss is 0 (it still counts in the token-mean's denominator, as in AReaL).
     tis            -sg(min(r, tis_cap)) A logp               truncated importance sampling
     cispo          -sg(clip(r, 1-cispo_low, 1+cispo_high)) A logp     (MiniMax-M1, 2025)
     topr           A > 0:  -topr_pos_weight A logp           (Tapered Off-Policy REINFORCE,
@@ -50,9 +52,10 @@ Metrics (plain Python floats, means over unmasked tokens; 0.0 when the mask is e
                     was clipped; reinforce: 0
     ratio_mean, ratio_max   of r = pi / mu per token, for every variant (also gspo and decoupled_ppo,
                     so runs of different variants can be compared)
-    is_weight_mean  the stop-gradient weight actually applied: w for decoupled_ppo, the truncated /
-                    clipped r for tis, cispo and topr (1 on topr's A > 0 tokens); 1.0 for reinforce,
-                    ppo and gspo, which have none
+    is_weight_mean  the stop-gradient weight actually applied: w for decoupled_ppo (0 on tokens the
+                    behaviour cap dropped), the truncated / clipped r for tis, cispo and topr (1 on
+                    topr's A > 0 tokens); 1.0 for reinforce, ppo and gspo, which have none
+    behav_capped_frac  decoupled_ppo: fraction of tokens dropped by behav_weight_cap; 0 otherwise
     approx_kl       k3 estimator (Schulman 2020) of KL(mu || pi) from mu's samples: mean of
                     r - 1 - log r, which is >= 0 and unbiased because E_mu[r] = 1. (The k3 form
                     exp(old - logp) - 1 - (old - logp) would estimate KL(pi || mu) only for samples of pi.)
@@ -79,7 +82,6 @@ Deviations from the papers, all deliberate:
   * cispo: the paper removes the lower bound and tunes only the upper one, without publishing its value.
     Defaults here: cispo_low = 1.0 (lower bound 1 - 1 = 0, i.e. none, since r > 0) and cispo_high = 0.28
     (borrowed from DAPO's clip-higher; other frameworks use caps of 4-5, i.e. cispo_high = 3-4). Tune it.
-  * decoupled_ppo: AReaL's optional cap on the behaviour weight w is not implemented.
   * seq-mean-token-mean divides by the number of non-empty sequences, not by the batch size.
   * Hyperparameters that a variant does not use are accepted and ignored (a trainer can pass one config
     to every variant), but all are validated, and unknown names raise TypeError. Likewise prox_logp
@@ -111,13 +113,14 @@ def compute_policy_loss(
     cispo_high: float = 0.28,    # cispo: IS weight <= 1 + cispo_high (the paper does not publish its value)
     topr_pos_weight: float = 1.0,  # topr: scale of the A > 0 tokens' loss
     topr_neg_weight: float = 1.0,  # topr: scale of the A <= 0 tokens' loss
+    behav_weight_cap: float | None = None,  # decoupled_ppo: tokens with w = pi_prox / mu above this are dropped
     agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
-    _check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                   topr_pos_weight, topr_neg_weight, agg)
+    check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
+                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap)
     _check_shapes(logp, old_logp, advantages, mask, prox_logp)
     if variant == "decoupled_ppo" and prox_logp is None:
         raise ValueError("variant 'decoupled_ppo' needs prox_logp= (the trainer's logprobs of the "
@@ -135,6 +138,7 @@ def compute_policy_loss(
 
     clipped = torch.zeros_like(m)                                  # [B, T] bool, for clip_frac
     is_w = torch.ones_like(r).detach()                             # [B, T] stop-grad weight applied
+    capped = torch.zeros_like(m)                                   # [B, T] bool, dropped by behav_weight_cap
 
     if variant == "reinforce":
         loss_tok = -A * lp
@@ -145,6 +149,9 @@ def compute_policy_loss(
         is_w = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()        # w = pi_prox / mu
         r_prox = (lp - prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # r' = pi / pi_prox
         inner, clipped = _ppo_clip(r_prox, A, clip_low, clip_high, dual_clip)
+        if behav_weight_cap is not None:
+            capped = m & (is_w > behav_weight_cap)
+            is_w = torch.where(capped, 0.0, is_w)
         loss_tok = is_w * inner
     elif variant == "tis":
         is_w = r.detach().clamp(max=tis_cap)
@@ -184,6 +191,7 @@ def compute_policy_loss(
             "ratio_max": torch.where(m, r, 0.0).max().item() if m.numel() else 0.0,
             "is_weight_mean": mean(is_w),
             "approx_kl": mean(r - 1.0 - log_r),
+            "behav_capped_frac": mean(capped.to(r.dtype)),
         }
     return loss, metrics
 
@@ -210,8 +218,9 @@ def _aggregate(loss_tok, m, agg):
     return seq_loss.sum() / (n > 0).sum().clamp(min=1)             # mean over non-empty sequences
 
 
-def _check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                   topr_pos_weight, topr_neg_weight, agg):
+def check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
+                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap=None):
+    """Every hyperparameter of compute_policy_loss, checked (ValueError naming the bad one)."""
     def need(ok, name, value, what):
         if not ok:
             raise ValueError(f"{name} must be {what}, got {value!r}")
@@ -228,6 +237,8 @@ def _check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_hig
     need(number(topr_pos_weight) and topr_pos_weight >= 0, "topr_pos_weight", topr_pos_weight, ">= 0")
     need(number(topr_neg_weight) and topr_neg_weight >= 0, "topr_neg_weight", topr_neg_weight, ">= 0")
     need(agg in AGG_MODES, "agg", agg, f"one of {', '.join(AGG_MODES)}")
+    need(behav_weight_cap is None or (number(behav_weight_cap) and behav_weight_cap > 0), "behav_weight_cap",
+         behav_weight_cap, "None or > 0")
 
 
 def _check_shapes(logp, old_logp, advantages, mask, prox_logp):

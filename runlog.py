@@ -189,9 +189,14 @@ class RunLog:
         return row
 
     def eta(self, step: int) -> float:
-        """Seconds left: the mean of the last 10 step times, times the steps left."""
+        """Seconds left: the mean of the last 10 step times, times the steps left (or the time left
+        under --time-limit-min, if less)."""
         recent = [r["time_step"] for r in self.rows[-10:]]
-        return sum(recent) / len(recent) * (self.cfg.steps - step)
+        left = sum(recent) / len(recent) * (self.cfg.steps - step)
+        limit = getattr(self.cfg, "time_limit_min", 0.0)
+        if limit and self.t_ready is not None:
+            left = min(left, max(0.0, limit * 60 - (time.time() - self.t_ready)))
+        return left
 
     def line(self, r: dict) -> str:
         rewards = [x["reward_mean"] for x in self.rows[-10:]]

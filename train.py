@@ -72,9 +72,29 @@ class Config:
                              "(--resume alone) | auto (if there is one; for torchrun --max-restarts)", const="yes")
     overwrite: bool = opt(False, "start afresh in an out_dir that holds a checkpoint (its metrics and checkpoint go)")
     steps: int = opt(80, "training steps (weight versions) to run")
+    time_limit_min: float = opt(0.0, "end the run (evaluate, checkpoint, summarise) after the first step that ends past "
+                                     "this many minutes of training (start-up excluded); 0 = no limit")
     async_ratio: int = opt(2, "max policy versions a trained sample may lag; 0 = synchronous")
     loss: str = opt("ppo", "reinforce | ppo | decoupled_ppo | tis | cispo | topr | gspo")
     lr: float = opt(3e-4, "AdamW learning rate (linear warm-up over the first 10 steps)")
+    ppo_epochs: int = opt(1, "passes over each batch")
+    mini_batches: int = opt(1, "optimizer steps per pass (the batch split into this many); decoupled_ppo's proximal "
+                               "policy is frozen before the first, so its clip acts from the second on")
+    recompute_old_logprobs: bool = opt(False, "old logprobs from the trainer before the update, not the engine's "
+                                              "sampling logprobs (the gap between the two is logged either way)")
+    clip_low: float = opt(0.2, "ppo, decoupled_ppo: ratio >= 1 - this (PPO's epsilon)")
+    clip_high: float = opt(0.28, "ppo, decoupled_ppo: ratio <= 1 + this (DAPO's clip-higher)")
+    dual_clip: float = opt(0.0, "ppo, decoupled_ppo: dual clip c for A < 0 (Ye et al. 2020: 3); 0 = off")
+    behav_weight_cap: float = opt(0.0, "decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); 0 = off")
+    tis_cap: float = opt(2.0, "tis: importance weight cap (Yao et al. 2025)")
+    cispo_low: float = opt(1.0, "cispo: IS weight >= 1 - this (1 = no lower bound, MiniMax-M1)")
+    cispo_high: float = opt(0.28, "cispo: IS weight <= 1 + this (MiniMax-M1 does not publish it)")
+    topr_pos_weight: float = opt(1.0, "topr: weight of A > 0 tokens (Le Roux et al. 2025)")
+    topr_neg_weight: float = opt(1.0, "topr: weight of A <= 0 tokens (Le Roux et al. 2025)")
+    gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
+    gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
+    loss_agg: str = opt("token-mean", "loss aggregation: token-mean | seq-mean-token-mean")
+    sample_order: str = opt("oldest", "complete groups go to the trainer oldest | freshest first (within the async ratio)")
     batch_groups: int = opt(32, "prompts per step")
     group_size: int = opt(8, "samples per prompt (GRPO group)")
     redundant: int = opt(4, "extra prompts admitted per step for dynamic filtering")
@@ -142,6 +162,8 @@ class Config:
                              "--rollout-gpus == --train-gpus")
         if self.data and self.task:
             raise ValueError("--data and --task: pick one source of problems")
+        if self.time_limit_min < 0:
+            raise ValueError(f"--time-limit-min must be >= 0, got {self.time_limit_min}")
         if self.save_every < 0 or self.check_sync_every < 0:
             raise ValueError(f"--save-every and --check-sync-every must be >= 0, got {self.save_every}, "
                              f"{self.check_sync_every}")
@@ -269,11 +291,11 @@ class TrainerRanks:
     def __init__(self, trainer, cfg: Config, group, model_dir: str, probe_ids: list[int]):
         self.trainer, self.cfg, self.group, self.model_dir, self.probe_ids = trainer, cfg, group, model_dir, probe_ids
 
-    def train(self, batch, advantages: list[float], probe: bool):
-        """One optimizer step on every rank (rank r gets batch[r::n]); returns rank 0's metrics, the
-        full weights and, if `probe`, the trainer's probe logprobs under the new weights (else None)."""
+    def train(self, batch, advantages: list[float], version: int, probe: bool):
+        """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
+        metrics, the full weights and, if `probe`, the trainer's probe logprobs under the new weights."""
         n = self.cfg.train_gpus
-        return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)],
+        return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)], "version": version,
                           "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
 
     def save(self, state: dict):
@@ -307,7 +329,7 @@ class TrainerRanks:
     def _do(self, op: dict):
         tr = self.trainer
         if op["op"] == "train":
-            metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank])
+            metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank], op["version"])
             named = tr.full_state()                                    # collective under FSDP
             return metrics, named, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
         if op["op"] == "probe":
@@ -384,6 +406,7 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
 
     async def main():
         await log.starting(ctrl.wait_ready(ranks.probe() if probe_due(0) else None))   # engines up and warmed up
+        t_train = time.monotonic()
         for step in range(state["step"] if state else 0, cfg.steps):
             t0 = time.monotonic()
             batch, info = await ctrl.collect()                                 # schedule + run: B fresh groups
@@ -391,12 +414,13 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                 await ctrl.sleep_engines()                                     # their GPUs' memory, for training
             adv = group_advantages(torch.tensor([s.reward for s in batch]), cfg.group_size).tolist()
             t1 = time.monotonic()
-            metrics, named, probe_ref = ranks.train(batch, adv, probe=probe_due(ctrl.version + 1))   # all trainer ranks
+            metrics, named, probe_ref = ranks.train(batch, adv, ctrl.version, probe=probe_due(ctrl.version + 1))
             t2 = time.monotonic()
             send = lambda: broadcast_weights(named, groups.sync, bucket_bytes, device, "trainer rank 0")
             sync = await ctrl.sync_weights(ctrl.version + 1, send, weight_meta(named), probe_ref)   # postprocess
             evaluation = ctrl.eval_result()                                   # a round that finished meanwhile
-            if eval_set and step + 1 == cfg.steps:                            # the final weights, always
+            final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
+            if eval_set and final:                                            # the final weights, always
                 if earlier := evaluation or await ctrl.finish_eval():          # (a round still in flight first)
                     print0(eval_line(earlier))
                 await ctrl.start_eval(eval_set, cfg.eval_k)
@@ -404,15 +428,18 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             elif eval_set and ctrl.version % cfg.eval_every == 0:
                 await ctrl.start_eval(eval_set, cfg.eval_k)                    # held-out accuracy of this version
             log.step(step + 1, ctrl.version, {**info, **evaluation}, metrics, sync, t2 - t1, time.monotonic() - t0)
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or final:
                 # data position: problems drawn so far; those admitted but not yet trained are kept apart
                 ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
                             "data_position": data_pos + ctrl.groups_drawn,
                             "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()]})
+            if final:
+                break                                                         # (--time-limit-min: early)
         last = await ctrl.finish_sync()                                        # the last sync's acks
         ranks_stats = await ctrl.stop()
-        stats = {"controller": ctrl.counters(), "rollout_ranks": [{k: v for k, v in r.items() if k != "proxy"}
-                                                                    for r in ranks_stats]}
+        stats = {"controller": ctrl.counters(), "rollout_ranks": [
+            {**{k: v for k, v in r.items() if k != "proxy"}, "engine_in_flight": r["proxy"]["in_flight"]}
+            for r in ranks_stats]}
         (Path(cfg.out_dir) / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
         log.finish(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}"
                    if last.get("sync_probe_max_diff") is not None else "")

@@ -3,7 +3,7 @@
 Runs on every trainer rank (torch.distributed group `trainer_group`):
 
     trainer = Trainer(model_dir, TrainConfig(...), trainer_group)
-    metrics = trainer.train_step(samples, group_size)        # one optimizer step on this rank's shard
+    metrics = trainer.train_step(samples, advantages, version)   # this rank's shard of the batch
     named = trainer.full_state()                             # full HF-named weights (collective)
     trainer.save_checkpoint(out_dir, state)                  # collective; rank 0 writes
 
@@ -17,9 +17,17 @@ to every rollout rank over the weight-sync group (gloo on CPU, NCCL on GPU), in 
 about `bucket_mb` each; both sides derive the bucket plan from the same (name, shape, dtype) list,
 so tensors arrive under their HF names and the engines load them as they are.
 
+A batch is --ppo-epochs passes of --mini-batches optimizer steps (default 1 x 1: one step per
+batch). The trainer's logprobs before the batch's first step are computed first when the loss needs
+them (decoupled_ppo's proximal policy; --recompute-old-logprobs), and the mean |engine - trainer|
+logprob gap is reported per step: over all samples (staleness + numerical mismatch) and over the
+on-policy ones alone (mismatch only). Under FSDP every rank runs the same number of micro-batches
+(the largest rank's count; a short rank runs empty ones of weight 0), since each is a collective.
+
 Deliberate simplifications:
-- One optimizer step per batch (no PPO epochs / mini-batches): the paper's off-policy corrections
-  are about rollout staleness, which this keeps visible.
+- With one optimizer step per batch (the default) decoupled PPO's proximal policy is the current
+  one and its clip never binds: use --mini-batches or --ppo-epochs > 1 to give it a trust region.
+- Mini-batches keep the same samples in every epoch (shuffled once per batch, not per epoch).
 - Loss normalisation across micro-batches and ranks: each rank's loss is its local token-mean (or
   seq-mean) and FSDP averages the ranks' gradients, so ranks weigh equally rather than by their
   token counts; with the round-robin batch split the difference is small.
@@ -29,6 +37,7 @@ Deliberate simplifications:
 
 import errno
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -38,6 +47,10 @@ import torch
 import torch.distributed as dist
 
 import losses
+from buffer import Sample
+from config import flag
+
+EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)   # a micro-batch with nothing to learn (FSDP padding)
 
 
 @dataclass
@@ -46,10 +59,23 @@ class TrainConfig:
     lr: float = 3e-4                  # AdamW learning rate
     weight_decay: float = 0.0
     grad_clip: float = 1.0            # max global grad norm
-    warmup_steps: int = 10            # linear LR warm-up: Adam's first steps are sign-like and large
-    clip_low: float = 0.2             # PPO-family ratio clip
-    clip_high: float = 0.28           # DAPO's clip-higher
-    agg: str = "token-mean"           # losses' aggregation
+    warmup_steps: int = 10            # linear LR warm-up (in batches): Adam's first steps are sign-like and large
+    ppo_epochs: int = 1               # passes over each batch
+    mini_batches: int = 1             # optimizer steps per pass: the batch is split into this many
+    recompute_old_logprobs: bool = False   # old logprobs from the trainer before the update, not the engine's
+    # the losses' hyperparameters (losses.compute_policy_loss), each with its paper's default
+    clip_low: float = 0.2             # PPO-family ratio clip, lower (PPO: 0.2)
+    clip_high: float = 0.28           # PPO-family ratio clip, upper (DAPO's clip-higher: 0.28)
+    dual_clip: float = 0.0            # dual-clip PPO's c for A < 0 (Ye et al. 2020 use 3); 0 = off
+    behav_weight_cap: float = 0.0     # decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); 0 = off
+    tis_cap: float = 2.0              # tis: IS weight cap (Yao et al. 2025: 2)
+    cispo_low: float = 1.0            # cispo: IS weight >= 1 - this (MiniMax-M1: no lower bound)
+    cispo_high: float = 0.28          # cispo: IS weight <= 1 + this (unpublished in MiniMax-M1)
+    topr_pos_weight: float = 1.0      # topr: scale of A > 0 tokens (Le Roux et al. 2025: 1)
+    topr_neg_weight: float = 1.0      # topr: scale of A <= 0 tokens (Le Roux et al. 2025: 1)
+    gspo_clip_low: float = 3e-4       # gspo: sequence-ratio clip, lower (Zheng et al. 2025: 3e-4)
+    gspo_clip_high: float = 4e-4      # gspo: sequence-ratio clip, upper (Zheng et al. 2025: 4e-4)
+    loss_agg: str = "token-mean"      # token-mean | seq-mean-token-mean
     micro_batch: int = 64             # sequences per forward/backward
     bucket_mb: int = 64               # weight broadcast bucket size, MiB
     seed: int = 0
@@ -59,6 +85,24 @@ class TrainConfig:
             raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(losses.VARIANTS)}")
         if self.lr <= 0 or self.micro_batch < 1 or self.bucket_mb < 1:
             raise ValueError("TrainConfig: lr must be > 0, micro_batch and bucket_mb >= 1")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"--ppo-epochs and --mini-batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
+        for gspo in (False, True):        # the losses' own check, its message naming our flag
+            try:
+                losses.check_hparams(**self.loss_kwargs(gspo))
+            except ValueError as e:
+                name, rest = str(e).split(" ", 1)
+                name = "loss_agg" if name == "agg" else ("gspo_" + name if gspo and name.startswith("clip") else name)
+                raise ValueError(f"{flag(name)} {rest}" + (" (0 = off)" if "None" in rest else "")) from None
+
+    def loss_kwargs(self, gspo: bool | None = None) -> dict:
+        """compute_policy_loss's hyperparameters for this config's loss (gspo has its own clip range)."""
+        gspo = self.loss == "gspo" if gspo is None else gspo
+        return dict(clip_low=self.gspo_clip_low if gspo else self.clip_low,
+                    clip_high=self.gspo_clip_high if gspo else self.clip_high, dual_clip=self.dual_clip or None,
+                    tis_cap=self.tis_cap, cispo_low=self.cispo_low, cispo_high=self.cispo_high,
+                    topr_pos_weight=self.topr_pos_weight, topr_neg_weight=self.topr_neg_weight, agg=self.loss_agg,
+                    behav_weight_cap=self.behav_weight_cap or None)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -90,6 +134,20 @@ def collate(samples, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
 
 
+def split(items: list, n: int) -> list[list]:
+    """n contiguous parts of near-equal size (some empty when len(items) < n)."""
+    return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+
+
+def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
+    """Accumulate |engine - trainer| logprob over the micro-batch's response tokens, for all samples
+    and for the on-policy ones (gap: {"all": [sum, tokens], "on_policy": [sum, tokens]})."""
+    diff = (t["old_logp"] - trainer_logp).abs() * t["mask"]                   # [B, T]
+    for key, rows in (("all", torch.ones_like(t["on_policy"])), ("on_policy", t["on_policy"])):
+        gap[key][0] += diff[rows].sum().item()
+        gap[key][1] += t["mask"][rows].sum().item()
+
+
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
@@ -117,44 +175,92 @@ class Trainer:
         self.num_steps = 0                # optimizer steps taken (restored from checkpoints)
 
     # --- training
-    def train_step(self, samples, advantages: list[float]) -> dict:
-        """One optimizer step on this rank's samples. advantages: one per sample (GRPO)."""
+    def train_step(self, samples, advantages: list[float], version: int | None = None) -> dict:
+        """One batch on this rank: ppo_epochs passes over its samples, each pass mini_batches
+        optimizer steps. advantages: one per sample (GRPO). version: the policy version these weights
+        are (the trainer's, before this batch): samples wholly of that version are on-policy, so their
+        engine/trainer logprob gap is numerical mismatch alone (logp_diff_on_policy), not staleness.
+
+        The trainer's logprobs before the first update (`pre`) are computed first, without grad,
+        when the loss needs them: decoupled_ppo's proximal policy, frozen for the whole batch (so its
+        clip acts from the second optimizer step on), or --recompute-old-logprobs (they replace the
+        engine's as the old logprobs). Returns metrics averaged over the optimizer steps (rank 0's:
+        each rank reports its own shard); self.update_metrics keeps them per step."""
         cfg = self.cfg
         self.model.train()
-        self.opt.zero_grad(set_to_none=True)
-        total_tokens = sum(sum(s.loss_mask) for s in samples)
-        metrics_sum: dict[str, float] = {}
-        loss_sum = 0.0
-        for i in range(0, len(samples), cfg.micro_batch):
-            mb = samples[i:i + cfg.micro_batch]
-            t = collate(mb, self.device)
-            adv = torch.tensor(advantages[i:i + cfg.micro_batch], dtype=torch.float32, device=self.device)
-            prox = None
-            if cfg.loss == "decoupled_ppo":
-                # proximal logprobs: the weights before this update. One optimizer step per batch means
-                # these are the current weights, computed without grad before any step is taken.
-                with torch.no_grad():
-                    prox = token_logprobs(self.model, t["input_ids"], t["attn"])
-            logp = token_logprobs(self.model, t["input_ids"], t["attn"])
-            loss, m = losses.compute_policy_loss(
-                logp, t["old_logp"], adv, t["mask"], cfg.loss, prox_logp=prox,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg)
-            # weight micro-batches so the step's loss is the token-mean over the rank's whole batch
-            frac = (sum(sum(s.loss_mask) for s in mb) / max(total_tokens, 1)) if cfg.agg == "token-mean" \
-                else len(mb) / len(samples)
-            (loss * frac).backward()
-            loss_sum += loss.item() * frac
-            for k, v in m.items():
-                metrics_sum[k] = metrics_sum.get(k, 0.0) + v * frac
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        plan = self._plan(samples, advantages, version)     # [mini-batch][micro-batch] -> tensors
+        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs:
+            with torch.no_grad():
+                for micro in (t for mini in plan for t in mini):
+                    micro["pre"] = token_logprobs(self.model, micro["input_ids"], micro["attn"])
         lr = cfg.lr * min(1.0, (self.num_steps + 1) / max(cfg.warmup_steps, 1))
         for g in self.opt.param_groups:
             g["lr"] = lr
-        self.opt.step()
+        kw = cfg.loss_kwargs()
+        gap = {"all": [0.0, 0.0], "on_policy": [0.0, 0.0]}    # sum |logp_engine - logp_trainer|, tokens
+        self.update_metrics = []
+        for epoch in range(cfg.ppo_epochs):
+            for j, mini in enumerate(plan):
+                self.opt.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {"loss": 0.0}
+                for t in mini:
+                    logp = token_logprobs(self.model, t["input_ids"], t["attn"])          # [B, T], with grad
+                    if epoch == 0 and (j == 0 or "pre" in t):   # trainer logprobs before any update: the gap
+                        add_gap(gap, t, t.get("pre", logp.detach()))
+                    old = t["pre"] if cfg.recompute_old_logprobs else t["old_logp"]
+                    loss, m = losses.compute_policy_loss(logp, old, t["adv"], t["mask"], cfg.loss,
+                                                         prox_logp=t.get("pre"), **kw)
+                    (loss * t["weight"]).backward()    # weights: the step's loss is the mini-batch's token-mean
+                    for k, v in {"loss": loss.item(), **m}.items():
+                        sums[k] = sums.get(k, 0.0) + v * t["weight"]
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+                self.opt.step()
+                self.update_metrics.append({**sums, "grad_norm": float(grad_norm)})
         self.num_steps += 1
-        return {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr, **metrics_sum}
+        out = {k: sum(u[k] for u in self.update_metrics) / len(self.update_metrics) for k in self.update_metrics[0]}
+        out.update(lr=lr, num_updates=len(self.update_metrics))
+        for key, (total, n) in gap.items():
+            if n:
+                out[f"logp_diff_{key}"] = total / n       # mean |engine - trainer| per response token
+        return out
+
+    def _plan(self, samples, advantages, version) -> list[list[dict]]:
+        """This rank's samples as mini-batches of collated micro-batches, each with its loss weight.
+        Under FSDP every rank must run the same number of forward/backward passes and optimizer steps
+        (each is a collective): the counts come from the largest rank's sample count, and a rank
+        with too few samples runs an empty micro-batch (one masked token, weight 0) in their place."""
+        cfg = self.cfg
+        most = len(samples)
+        if self.fsdp:
+            n = torch.tensor([most], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            most = int(n.item())
+        order = list(range(len(samples)))
+        if cfg.mini_batches > 1:      # a batch arrives grouped by prompt: mini-batches mix prompts
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(
+                cfg.seed * 100_003 + self.num_steps)).tolist()
+        num_micro = max(1, math.ceil(math.ceil(most / cfg.mini_batches) / cfg.micro_batch))   # per mini-batch
+        plan = []
+        for mini in split(order, cfg.mini_batches):
+            tokens = sum(sum(samples[i].loss_mask) for i in mini)
+            micros = []
+            for part in split(mini, num_micro):
+                batch = [samples[i] for i in part] or [EMPTY]
+                t = collate(batch, self.device)
+                t["adv"] = torch.tensor([advantages[i] for i in part] or [0.0], dtype=torch.float32, device=self.device)
+                t["on_policy"] = torch.tensor([version is not None and bool(s.versions) and
+                                               all(v == version for v in s.versions) for s in batch], device=self.device)
+                if not part:
+                    t["weight"] = 0.0
+                elif cfg.loss_agg == "token-mean":
+                    t["weight"] = sum(sum(s.loss_mask) for s in batch) / max(tokens, 1)
+                else:
+                    t["weight"] = len(part) / len(mini)
+                micros.append(t)
+            plan.append(micros)
+        return plan
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:

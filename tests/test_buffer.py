@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from buffer import Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, SampleBuffer, fresh
+from buffer import ORDERS, Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, SampleBuffer, fresh
 from task import Problem
 
 
@@ -27,9 +27,9 @@ ops = st.lists(st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, async_ratio=st.integers(0, 3), group_size=st.integers(1, 3))
-def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_ratio, group_size):
-    asm = GroupAssembler(group_size, async_ratio)
+@given(ops=ops, async_ratio=st.integers(0, 3), group_size=st.integers(1, 3), order=st.sampled_from(ORDERS))
+def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_ratio, group_size, order):
+    asm = GroupAssembler(group_size, async_ratio, order=order)
     version, added, returned = 0, 0, 0
     for op in ops:
         if op[0] == "put":
@@ -52,6 +52,21 @@ def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_rati
     held = sum(len(g) for g in asm.pending.values()) + sum(len(g) for g in asm.ready)
     counted = asm.samples_dropped_stale + asm.samples_filtered + asm.samples_failed + asm.samples_surplus
     assert added == returned + held + counted, "a sample vanished without being counted"
+
+
+def test_sample_order_oldest_or_freshest_first():
+    """Groups complete with oldest versions 1, 3, 2 (trainer at version 3, ratio 2): oldest-first
+    hands them out in completion order, freshest-first by version, newest first."""
+    def taken(order):
+        asm = GroupAssembler(group_size=2, async_ratio=2, order=order)
+        for gid, v in (("a", 1), ("b", 3), ("c", 2), ("d", 3)):
+            asm.add(sample(gid, [v], 0.0, i=0), 3)
+            asm.add(sample(gid, [v], 1.0, i=1), 3)
+        return [g[0].group_id for g in asm.take(4, 3)]
+    assert taken("oldest") == ["a", "b", "c", "d"]
+    assert taken("freshest") == ["b", "d", "c", "a"]
+    with pytest.raises(ValueError, match="--sample-order"):
+        GroupAssembler(2, 2, order="newest")
 
 
 def test_group_assembly_filter_stale_and_surplus():

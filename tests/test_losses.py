@@ -16,12 +16,12 @@ AGGS = ("token-mean", "seq-mean-token-mean")
 
 # Defaults restated here (not imported) so that a silent change of a default fails a test.
 DEFAULTS = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, tis_cap=2.0, cispo_low=1.0,
-                cispo_high=0.28, topr_pos_weight=1.0, topr_neg_weight=1.0)
+                cispo_high=0.28, topr_pos_weight=1.0, topr_neg_weight=1.0, behav_weight_cap=None)
 # Non-default values, to check that each hyperparameter reaches its formula.
 CUSTOM = {
     "reinforce": {},
     "ppo": dict(clip_low=0.1, clip_high=0.3, dual_clip=2.0),
-    "decoupled_ppo": dict(clip_low=0.15, clip_high=0.25, dual_clip=1.5),
+    "decoupled_ppo": dict(clip_low=0.15, clip_high=0.25, dual_clip=1.5, behav_weight_cap=1.3),
     "tis": dict(tis_cap=1.2),
     "cispo": dict(cispo_low=0.2, cispo_high=0.3),
     "topr": dict(topr_pos_weight=0.7, topr_neg_weight=1.6),
@@ -55,6 +55,8 @@ def ref_token(variant, lp, olp, plp, a, hp):
     if variant == "decoupled_ppo":
         w, rp = math.exp(plp - olp), math.exp(lp - plp)
         loss, d_dr, c = ppo_token(rp, a, hp["clip_low"], hp["clip_high"], hp["dual_clip"])
+        if hp["behav_weight_cap"] is not None and w > hp["behav_weight_cap"]:
+            return 0.0, 0.0, c, 0.0          # AReaL: a token whose behaviour weight is too large is dropped
         return w * loss, w * d_dr * rp, c, w
     if variant == "tis":
         w = min(r, hp["tis_cap"])
@@ -120,6 +122,9 @@ def reference(variant, logp, old, prox, adv, mask, agg, hp):
         "ratio_max": max(ratios),
         "is_weight_mean": sum(isw.values()) / len(toks),
         "approx_kl": sum(r - 1 - math.log(r) for r in ratios) / len(toks),
+        "behav_capped_frac": sum(variant == "decoupled_ppo" and hp["behav_weight_cap"] is not None
+                                 and math.exp(prox[b][t] - old[b][t]) > hp["behav_weight_cap"]
+                                 for b, t in toks) / len(toks),
     }
     return loss, grad, metrics
 
@@ -365,7 +370,7 @@ def test_gspo_uses_the_sequence_ratio():
 def test_metrics_are_floats_and_clip_frac_in_unit_interval(variant, adv_per_token):
     logp, old, prox, adv, mask = make_batch(seed=5, adv_per_token=adv_per_token)
     _, _, metrics = run(variant, logp, old, prox, adv, mask)
-    assert set(metrics) == {"clip_frac", "ratio_mean", "ratio_max", "is_weight_mean", "approx_kl"}
+    assert set(metrics) == {"clip_frac", "ratio_mean", "ratio_max", "is_weight_mean", "approx_kl", "behav_capped_frac"}
     assert all(type(v) is float and math.isfinite(v) for v in metrics.values())
     assert 0.0 <= metrics["clip_frac"] <= 1.0
     assert metrics["approx_kl"] >= 0.0
@@ -466,7 +471,7 @@ def test_unknown_hyperparameter_is_named():
 @pytest.mark.parametrize("name, value", [
     ("dual_clip", 1.0), ("dual_clip", 0.5), ("clip_low", -0.1), ("clip_low", 1.5),
     ("clip_high", -0.2), ("tis_cap", 0.0), ("cispo_low", -1.0), ("cispo_high", float("nan")),
-    ("topr_pos_weight", -1.0), ("topr_neg_weight", "1"), ("agg", "sum"),
+    ("topr_pos_weight", -1.0), ("topr_neg_weight", "1"), ("agg", "sum"), ("behav_weight_cap", 0.0),
 ])
 def test_bad_hyperparameter_values_are_named(name, value):
     with pytest.raises(ValueError, match=name):
@@ -488,3 +493,17 @@ def test_shape_mismatches():
         compute_policy_loss(logp, old, torch.zeros(B, T + 1), mask, "ppo")
     with pytest.raises(ValueError, match="logp"):
         compute_policy_loss(logp[0], old[0], adv, mask[0], "ppo")
+
+
+def test_behaviour_weight_cap_drops_tokens_far_off_policy():
+    """decoupled_ppo with behav_weight_cap: a token whose w = pi_prox / mu exceeds the cap gets no
+    loss and no gradient; the others are as without the cap."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    prox = torch.tensor([[-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.0, -3.0, -1.1]])            # w = 1, e^2 = 7.39, e^0.1 = 1.105
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    loss, m = compute_policy_loss(logp, old, adv, mask, "decoupled_ppo", prox_logp=prox, behav_weight_cap=5.0)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0
+    assert m["behav_capped_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_mean"] == pytest.approx((1 + 0 + math.exp(0.1)) / 3)

@@ -48,6 +48,11 @@ def train_py(*args, env=None) -> subprocess.CompletedProcess:
     (["--suspend-mode", "later"], "--suspend-mode"),
     (["--resume", "--overwrite"], "--overwrite"),
     (["--check-sync-every", "-1"], "--check-sync-every"),
+    (["--mini-batches", "0"], "--mini-batches"),
+    (["--dual-clip", "0.5"], "--dual-clip"),
+    (["--gspo-clip-low", "2"], "--gspo-clip-low"),
+    (["--loss-agg", "sum"], "--loss-agg"),
+    (["--sample-order", "newest"], "--sample-order"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, names):
     r = train_py("--out-dir", str(tmp_path / "out"), *args)

@@ -81,11 +81,18 @@ def rows(out_dir) -> list[dict]:
 def test_async_and_sync_runs(tmp_path, async_ratio):
     out = tmp_path / f"ratio{async_ratio}"
     evaluation = ["--eval-every", "2", "--eval-prompts", "8", "--eval-k", "2"] if async_ratio else []
-    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0", *evaluation), out)
+    # the off-policy machinery along: decoupled PPO over 2 mini-batches (async), recomputed old logprobs (sync)
+    loss = (["--loss", "decoupled_ppo", "--mini-batches", "2", "--behav-weight-cap", "5"] if async_ratio else
+            ["--recompute-old-logprobs"])
+    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0", *evaluation,
+                        *loss), out)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["version"] for x in r] == [1, 2, 3, 4]
     for x in r:
         assert x["staleness_max"] <= async_ratio
         assert x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4
+        assert x["num_updates"] == (2 if async_ratio else 1) and x["logp_diff_all"] >= 0
+        if "logp_diff_on_policy" in x:   # samples of the trainer's own version: engine == trainer (float32)
+            assert x["logp_diff_on_policy"] < 1e-4
         assert x["num_samples"] == 16 and 0.0 <= x["reward_mean"] <= 1.0
         for key in ("time_step", "time_wait_rollout", "time_train", "time_weight_sync", "samples_per_s",
                     "tokens_per_s", "rollout_utilisation", "samples_dropped_stale", "groups_filtered",
@@ -93,6 +100,7 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
             assert key in x, key
     if async_ratio == 0:
         assert all(x["staleness_max"] == 0 for x in r)
+        assert all("logp_diff_on_policy" in x and abs(x["ratio_mean"] - 1) < 1e-4 for x in r)   # all on-policy
     else:      # held-out evaluation: version 2's round lands in a later row, the final one in the last row
         evals = [x for x in r if "eval_version" in x]
         log = Path(out).with_suffix(".log").read_text()

@@ -1,0 +1,225 @@
+"""study.py: the paper's Takeaway 4 measured for real: do off-policy losses train as well asynchronously?
+
+    .venv/bin/python study.py                               # the whole study (constants below), ~26 min
+    .venv/bin/python study.py --losses ppo,tis --ratios 0,8 --seeds 0 --steps 10    # a quick look
+
+The claim (ROLL Flash, Takeaway 4): with off-policy corrections, training at async ratio 2 or 8
+reaches the same reward as synchronous training. Here: every loss in LOSSES at every ratio in RATIOS,
+SEEDS seeds each, on the embedded task (addition, the tiny model), the same number of samples per run
+(STEPS x BATCH_GROUPS x GROUP_SIZE), and a freshest-first run per ratio > 0 to show what the sample
+order does to staleness. Per run: final reward (held-out problems, the final weights, greedy and
+mean@EVAL_K at temperature 1), the training reward of the last 10 steps, the staleness actually
+seen (mean and max over trained samples), clip fraction, and wall time.
+
+Real parts, as bench.py: one vLLM engine (core 1) behind LLMProxy, the project's EnvManager,
+AsyncController, SampleBuffer and Trainer (core 0, a thread of this process). The engine is started
+once; every run rebuilds the trainer from the tiny model and loads the initial weights into the
+engine, so runs start from the same policy. Weights go to the engine in-process (no gloo broadcast).
+
+Writes results/study.json (every run), results/study.md (the table) and results/study.png.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# ---- the study's constants (what the README's table was made with)
+LOSSES = ("ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo")   # ppo = GRPO's clipped objective
+RATIOS = (0, 2, 8)
+SEEDS = (0, 1, 2)
+STEPS = 60                 # batches per run (7680 samples)
+BATCH_GROUPS = 16          # prompts per step
+GROUP_SIZE = 8             # samples per prompt
+REDUNDANT = 4              # extra prompts admitted for dynamic filtering
+MINI_BATCHES = 2           # optimizer steps per batch: decoupled_ppo's clip acts from the second one
+LR = 3e-4                  # train.py's default (1e-3 collapses even synchronous PPO here; 5e-4 is unstable)
+EVAL_PROMPTS = 256         # held-out problems, the same for every run (mean@4 over 1024 samples: +-0.015)
+EVAL_K = 4                 # samples per held-out problem at temperature 1 (mean@k)
+
+ROOT = Path(__file__).resolve().parent
+
+
+async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, initial, model_dir, tokenizer,
+                  steps: int) -> dict:
+    """One training run of `steps` steps from the initial weights; returns its figures (steps 0: the
+    initial policy's evaluation alone)."""
+    import task
+    from buffer import LocalQueues, SampleBuffer
+    from controller import AsyncController, ControllerConfig, problem_stream
+    from env_manager import EnvManager, RolloutConfig
+    from losses import group_advantages
+    from trainer import TrainConfig, Trainer
+
+    t_start = time.monotonic()
+    torch.manual_seed(seed)
+    trainer = Trainer(model_dir, TrainConfig(loss=loss, lr=args.lr, mini_batches=args.mini_batches, seed=seed))
+    version = proxy.version + 1                       # the engine back to the initial weights
+    await proxy.suspend("keep")
+    await proxy.update_weights(initial, version)
+    await proxy.resume()
+    buffer = SampleBuffer(LocalQueues(1), f"study {loss} ratio {ratio} seed {seed}", timeout_s=300)
+    ctrl = AsyncController(ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size,
+                                            async_ratio=ratio, redundant=args.redundant, sample_order=order,
+                                            timeout_s=300), buffer, problem_stream(None, seed, make=task.make_problem),
+                           1, version=version)
+    latest: list = []
+
+    async def receive_weights(cmd):                   # the transport: in-process, straight from the trainer
+        return latest
+    manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(async_ratio=ratio, max_tokens=8,
+                                                                    max_total_tokens=128),
+                         receive_weights=receive_weights)
+    running = asyncio.create_task(manager.run())
+    await ctrl.wait_ready()
+    rows = []
+    for step in range(steps):
+        batch, info = await ctrl.collect()
+        adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
+        m = await asyncio.to_thread(trainer.train_step, batch, adv, ctrl.version)   # rollout goes on meanwhile
+        latest[:] = await asyncio.to_thread(trainer.full_state)
+        await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        rows.append({**info, **m})
+    await ctrl.finish_sync()
+    await ctrl.start_eval(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)   # the final weights
+    evaluation = await ctrl.finish_eval()
+    await ctrl.stop()
+    await running
+    result = {"loss": loss, "async_ratio": ratio, "seed": seed, "sample_order": order,
+              "eval_greedy": evaluation["eval_greedy"], "eval_mean_at_k": evaluation[f"eval_mean_at_{args.eval_k}"]}
+    if not rows:
+        return result
+    last = rows[-10:]
+    return {**result, "train_reward_last10": statistics.fmean(r["reward_mean"] for r in last),
+            "train_reward_first": rows[0]["reward_mean"],
+            "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
+            "staleness_max": max(r["staleness_max"] for r in rows),
+            "clip_frac": statistics.fmean(r["clip_frac"] for r in rows),
+            "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
+            "samples": sum(r["num_samples"] for r in rows), "wall_s": time.monotonic() - t_start}
+
+
+def table(runs: list[dict]) -> str:
+    """Markdown: per (loss, ratio, order), mean +- std over seeds."""
+    def ms(xs):
+        return f"{statistics.fmean(xs):.3f} +- {statistics.pstdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    keys = sorted({(r["loss"], r["async_ratio"], r["sample_order"]) for r in runs},
+                  key=lambda k: (LOSSES.index(k[0]) if k[0] in LOSSES else 99, k[2] != "oldest", k[1]))
+    out = ["| loss | async ratio | order | seeds | eval mean@k | eval greedy | train reward (last 10) | staleness "
+           "mean / max | clip frac | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for loss, ratio, order in keys:
+        rs = [r for r in runs if (r["loss"], r["async_ratio"], r["sample_order"]) == (loss, ratio, order)]
+        out.append(f"| {loss} | {ratio} | {order} | {len(rs)} | {ms([r['eval_mean_at_k'] for r in rs])} | "
+                   f"{ms([r['eval_greedy'] for r in rs])} | {ms([r['train_reward_last10'] for r in rs])} | "
+                   f"{statistics.fmean(r['staleness_mean'] for r in rs):.2f} / {max(r['staleness_max'] for r in rs)} | "
+                   f"{statistics.fmean(r['clip_frac'] for r in rs):.3f} | {statistics.fmean(r['wall_s'] for r in rs):.0f} |")
+    return "\n".join(out)
+
+
+def plot(runs: list[dict], path: Path, start: float):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    losses = [x for x in LOSSES if any(r["loss"] == x for r in runs)]
+    ratios = sorted({r["async_ratio"] for r in runs})
+    width = 0.8 / max(len(losses), 1)
+    for i, loss in enumerate(losses):
+        for j, ratio in enumerate(ratios):
+            xs = [r["eval_mean_at_k"] for r in runs if (r["loss"], r["async_ratio"], r["sample_order"]) ==
+                  (loss, ratio, "oldest")]
+            if xs:
+                ax.bar(j + i * width, statistics.fmean(xs), width, yerr=statistics.pstdev(xs) if len(xs) > 1 else 0,
+                       color=f"C{i}", label=loss if j == 0 else None, capsize=2)
+                ax.scatter([j + i * width] * len(xs), xs, color="k", s=6, zorder=3)
+    ax.axhline(start, color="grey", ls="--", lw=1, label=f"initial policy {start:.3f}")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ratios))], [f"async ratio {r}" for r in ratios])
+    ax.set_ylabel("held-out reward (mean@k)")
+    ax.set_ylim(max(0.0, start - 0.1), None)
+    ax.set_title("final reward (bars: mean over seeds, dots: seeds)")
+    ax.legend(fontsize=8, ncol=2)
+    for order, marker in (("oldest", "o"), ("freshest", "s")):
+        pts = [(r["async_ratio"], r["staleness_mean"]) for r in runs if r["sample_order"] == order]
+        if pts:
+            ax2.scatter(*zip(*pts), marker=marker, label=f"{order} first", alpha=0.6)
+    ax2.set_xlabel("async ratio")
+    ax2.set_ylabel("staleness (versions), mean over a run")
+    ax2.set_title("staleness of the trained samples")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def main(args):
+    if args.plot_only:            # redraw from the study.json of an earlier run
+        data = json.loads((Path(args.out_dir) / "study.json").read_text())
+        return plot(data["runs"], Path(args.out_dir) / "study.png", data["initial"])
+    import quiet
+    quiet.setup()                 # before vLLM loads: library logs at warning level
+    from transformers import AutoTokenizer
+
+    import tiny_model
+    from proxy import LLMProxy, Sampling
+    from trainer import Trainer, TrainConfig
+
+    model_dir = str(tiny_model.ensure_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    proxy = await LLMProxy.start_vllm(model_dir, rank=0, cpu_cores="1", max_num_seqs=64)   # the engine: core 1
+    os.sched_setaffinity(0, {0})                      # the trainer and the event loop: core 0
+    torch.set_num_threads(1)
+    initial = Trainer(model_dir, TrainConfig()).full_state()
+    await proxy.generate(tokenizer.encode("1+1="), Sampling(max_tokens=2))     # warm-up
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(loss, ratio, seed, "oldest") for loss in args.losses for ratio in args.ratios for seed in args.seeds]
+    if args.order_loss:
+        plan += [(args.order_loss, r, seed, "freshest") for r in args.ratios if r > 0 for seed in args.seeds]
+    runs, t0 = [], time.monotonic()
+    start = (await run_one("ppo", 0, 0, "oldest", args, proxy, initial, model_dir, tokenizer, steps=0))["eval_mean_at_k"]
+    print(f"study: the initial policy's held-out reward (mean@{args.eval_k}) is {start:.3f}; {len(plan)} runs of {args.steps} steps x {args.batch_groups}x{args.group_size} samples", flush=True)
+    try:
+        for i, (loss, ratio, seed, order) in enumerate(plan):
+            r = await run_one(loss, ratio, seed, order, args, proxy, initial, model_dir, tokenizer, args.steps)
+            runs.append(r)
+            done = time.monotonic() - t0
+            print(f"  [{i + 1}/{len(plan)}] {loss:13s} ratio {ratio} seed {seed} {order:8s} | eval mean@k "
+                  f"{r['eval_mean_at_k']:.3f} greedy {r['eval_greedy']:.3f} | stale mean {r['staleness_mean']:.2f} "
+                  f"max {r['staleness_max']} | {r['wall_s']:.0f}s | eta {done / (i + 1) * (len(plan) - i - 1):.0f}s",
+                  flush=True)
+    finally:
+        proxy.shutdown()
+    (out / "study.json").write_text(json.dumps({"constants": vars(args), "initial": start, "runs": runs}, indent=1))
+    wall = time.monotonic() - t0
+    (out / "study.md").write_text(
+        f"`python study.py {' '.join(sys.argv[1:])}`: {len(runs)} runs of {args.steps} steps x {args.batch_groups}x"
+        f"{args.group_size} samples, {args.mini_batches} mini-batches, lr {args.lr}; the initial policy's held-out "
+        f"reward (mean@{args.eval_k} over {args.eval_prompts} problems) is {start:.3f}; {wall / 60:.1f} min in all.\n\n"
+        + table(runs) + "\n")
+    plot(runs, out / "study.png", start)
+    print(table(runs))
+    print(f"wrote {out / 'study.json'}, {out / 'study.md'}, {out / 'study.png'} ({wall:.0f}s)")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--losses", type=lambda x: x.split(","), default=list(LOSSES), help="comma-separated")
+    ap.add_argument("--ratios", type=lambda x: [int(v) for v in x.split(",")], default=list(RATIOS))
+    ap.add_argument("--seeds", type=lambda x: [int(v) for v in x.split(",")], default=list(SEEDS))
+    ap.add_argument("--order-loss", default="ppo", help="the loss of the freshest-first runs ('' = none)")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--batch-groups", type=int, default=BATCH_GROUPS)
+    ap.add_argument("--group-size", type=int, default=GROUP_SIZE)
+    ap.add_argument("--redundant", type=int, default=REDUNDANT)
+    ap.add_argument("--mini-batches", type=int, default=MINI_BATCHES)
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
+    ap.add_argument("--eval-k", type=int, default=EVAL_K)
+    ap.add_argument("--out-dir", default=str(ROOT / "results"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw study.png from out-dir's study.json")
+    asyncio.run(main(ap.parse_args()))
