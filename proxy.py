@@ -184,7 +184,7 @@ class VLLMEngine:
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             ignore_eos=sampling.ignore_eos, seed=sampling.seed, logprobs=0,
-            output_kind=RequestOutputKind.DELTA)
+            output_kind=RequestOutputKind.DELTA, detokenize=False)   # ids only: the env decodes what it needs
         prompt = {"prompt_token_ids": prompt_token_ids}
         if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
             prompt["cache_salt"] = cache_salt

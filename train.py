@@ -264,16 +264,29 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def pin_to_core() -> int:
-    """CPU runs: this rank (and the engine processes it starts, which inherit it) gets one core of
-    its own, LOCAL_RANK round robin over the cores this process may use. On 2 cores with one trainer
-    and one rollout rank, training and generation then never compete for a core (measured in the
-    README: the trainer's step doubled when they did). Returns the core."""
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]
-    os.sched_setaffinity(0, {core})
+def cpu_layout(cores: list[int], num_rollout: int) -> tuple[list[int], list[int]]:
+    """CPU runs, one node: (host cores, engine cores). Each vLLM engine (its engine-core and worker
+    processes) gets a core of its own, from the top; the ranks' own Python (trainer ranks, the
+    controller and queue server, the rollout ranks' front ends: proxy, env manager, vLLM's output
+    processing) shares the rest. Measured on 2 cores (README, "Where the time goes"): with the rollout
+    rank's Python on its engine's core, that core was saturated (a third of it vLLM's spin-waits)
+    while the trainer's core idled 59% of the time. With no core to spare, everything shares."""
+    if len(cores) > num_rollout:
+        return cores[:len(cores) - num_rollout], cores[len(cores) - num_rollout:]
+    return cores, cores
+
+
+def pin_cpu(cfg: "Config", rank: int) -> str:
+    """Pin this rank to its host core (trainer rank t: host core t round robin, one torch thread;
+    a rollout rank: all host cores) and return the core its engine gets ("" for a trainer rank).
+    The engine's processes are pinned when they start (start_engine in run_rollout)."""
+    host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
     torch.set_num_threads(1)
-    return core
+    if rank < cfg.train_gpus:
+        os.sched_setaffinity(0, {host[rank % len(host)]})
+        return ""
+    os.sched_setaffinity(0, set(host))
+    return str(engines[(rank - cfg.train_gpus) % len(engines)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,7 +485,8 @@ def injected_faults(cfg: Config, index: int):
     return wrap
 
 
-def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr):
+def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: str, state, buffer_addr,
+                engine_core: str = ""):
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager
     from proxy import LLMProxy, Sampling, VLLMEngine
@@ -496,16 +510,19 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             events.phase("receive", t, time.time(), cmd.version)
         return named
 
-    # CPU: the engine's OpenMP threads on this rank's own core (pin_to_core; see proxy.VLLMEngine.start)
-    cores = str(sorted(os.sched_getaffinity(0))[0]) if device == "cpu" else ""
     if device.startswith("cuda"):     # GPU: the engine's processes see only this rank's GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
                                                         os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
-    start_engine = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=cores,
+    start = functools.partial(VLLMEngine.start, model_dir, seed=cfg.seed + index, cpu_cores=engine_core,
                                      max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len,
                                      dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
                                      gpu_memory_utilization=cfg.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose,
                                      sleep_mode=cfg.colocate)
+
+    def start_engine():   # (in a worker thread) CPU: the engine's processes inherit this thread's core, its own
+        if engine_core:
+            os.sched_setaffinity(0, {int(engine_core)})
+        return start()
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
@@ -618,8 +635,7 @@ def main():
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
     rank, world, device, groups = init_distributed(cfg)
-    if device == "cpu":
-        pin_to_core()
+    engine_core = pin_cpu(cfg, rank) if device == "cpu" else ""
     try:
         model_dir = str(Path(cfg.out_dir) / "checkpoint") if state else cfg.model
         if not model_dir:
@@ -643,8 +659,10 @@ def main():
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
-        role = run_trainer if rank < cfg.train_gpus else run_rollout
-        role(cfg, rank, device, groups, model_dir, state, addr[0])
+        if rank < cfg.train_gpus:
+            run_trainer(cfg, rank, device, groups, model_dir, state, addr[0])
+        else:
+            run_rollout(cfg, rank, device, groups, model_dir, state, addr[0], engine_core)
         collective("final barrier", dist.barrier)
     finally:
         cleanup()

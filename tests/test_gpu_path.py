@@ -18,7 +18,7 @@ from env_manager import EnvManager, RolloutConfig
 from fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Status
 from task import Problem
-from train import engine_gpu
+from train import cpu_layout, engine_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -31,6 +31,14 @@ def test_each_engine_gets_its_ranks_own_gpu():
     assert [engine_gpu(r, None, 4) for r in range(4, 8)] == ["0", "1", "2", "3"]
     # a user's CUDA_VISIBLE_DEVICES is a list of names, honoured as such
     assert [engine_gpu(r, "4,5, 6,7", 4) for r in (0, 2, 5)] == ["4", "6", "5"]
+
+
+def test_cpu_layout_gives_each_engine_a_core_of_its_own():
+    """CPU runs: engines take cores from the top, one each; the ranks' own Python shares the rest;
+    with no core to spare, everything shares every core."""
+    assert cpu_layout([0, 1], 1) == ([0], [1])                       # this machine's default: 1 trainer + 1 engine
+    assert cpu_layout(list(range(8)), 3) == ([0, 1, 2, 3, 4], [5, 6, 7])
+    assert cpu_layout([0, 1], 2) == ([0, 1], [0, 1])                 # 2 engines on 2 cores: no core to spare
 
 
 def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
