@@ -172,7 +172,7 @@ class Trainer:
             fully_shard(model, mesh=mesh)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.num_steps = 0                # optimizer steps taken (restored from checkpoints)
+        self.num_steps = 0                # batches trained (restored from checkpoints; the LR warm-up counts these)
 
     # --- training
     def train_step(self, samples, advantages: list[float], version: int | None = None) -> dict:
