@@ -389,7 +389,12 @@ class GroupAssembler:
       in completion order), the paper's preference for fresher samples. Either way only fresh ones.
     Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or
     one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus).
+    The ids of resolved groups (closed or dead) are forgotten FORGET_AFTER versions past the freshness
+    window, so a long run's memory stays flat; a straggler of a forgotten group then waits as a
+    pending group of its own until it is stale, and is counted as dropped stale.
     """
+
+    FORGET_AFTER = 8
 
     def __init__(self, group_size: int, async_ratio: int, filter_groups: bool = True, order: str = "oldest"):
         if order not in ORDERS:
@@ -402,6 +407,8 @@ class GroupAssembler:
         self.ready: list[list[Sample]] = []
         self.dead: set[str] = set()       # groups that can no longer complete (stale, or a sample given up on)
         self.closed: set[str] = set()     # groups completed (ready, taken or filtered)
+        self.resolved: collections.deque[tuple[int, str]] = collections.deque()   # (version, id) into closed/dead
+        self.resolved_at: dict[str, int] = {}                                     # id -> its latest such version
         self.samples_dropped_stale = 0
         self.samples_filtered = 0
         self.samples_failed = 0
@@ -415,8 +422,13 @@ class GroupAssembler:
     def _fresh(self, s: Sample, version: int) -> bool:
         return fresh(s.oldest_version, version, self.async_ratio)
 
-    def _kill(self, group_id: str, samples: list[Sample]):
-        self.dead.add(group_id)
+    def _resolve(self, ids: set[str], group_id: str, version: int):
+        ids.add(group_id)
+        self.resolved.append((version, group_id))
+        self.resolved_at[group_id] = version
+
+    def _kill(self, group_id: str, samples: list[Sample], version: int):
+        self._resolve(self.dead, group_id, version)
         self.samples_dropped_stale += len(samples)
         self.groups_dropped_stale += 1
 
@@ -424,11 +436,11 @@ class GroupAssembler:
         if s.failed:
             self.samples_failed += 1
             self.last_failed = s
-            if not s.meta.get("retrying", True) and s.group_id not in self.closed | self.dead:
+            if not s.meta.get("retrying", True) and s.group_id not in self.closed and s.group_id not in self.dead:
                 # the rollout side gave up on this sample: its group can never complete (counted
                 # once: a group already lost, say as stale, is not lost again)
                 dropped = self.pending.pop(s.group_id, [])
-                self.dead.add(s.group_id)
+                self._resolve(self.dead, s.group_id, version)
                 self.samples_failed += len(dropped)
                 self.groups_failed += 1
             return
@@ -441,11 +453,11 @@ class GroupAssembler:
         group = self.pending.setdefault(s.group_id, [])
         group.append(s)
         if not self._fresh(s, version):
-            self._kill(s.group_id, self.pending.pop(s.group_id))
+            self._kill(s.group_id, self.pending.pop(s.group_id), version)
             return
         if len(group) == self.group_size:
             del self.pending[s.group_id]
-            self.closed.add(s.group_id)
+            self._resolve(self.closed, s.group_id, version)
             if self.filter_groups and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1
                 self.samples_filtered += len(group)
@@ -459,16 +471,23 @@ class GroupAssembler:
         dropped = []
         for gid, group in list(self.pending.items()):
             if not all(self._fresh(s, version) for s in group):
-                self._kill(gid, self.pending.pop(gid))
+                self._kill(gid, self.pending.pop(gid), version)
                 dropped.append(gid)
         keep = []
         for group in self.ready:
             if all(self._fresh(s, version) for s in group):
                 keep.append(group)
             else:
-                self._kill(group[0].group_id, group)
+                self._kill(group[0].group_id, group, version)
                 dropped.append(group[0].group_id)
         self.ready = keep
+        horizon = version - self.async_ratio - self.FORGET_AFTER
+        while self.resolved and self.resolved[0][0] < horizon:      # forget long-resolved groups
+            v, gid = self.resolved.popleft()
+            if self.resolved_at.get(gid) == v:                      # (not resolved again since)
+                del self.resolved_at[gid]
+                self.closed.discard(gid)
+                self.dead.discard(gid)
         return dropped
 
     def take(self, num_groups: int, version: int) -> list[list[Sample]]:

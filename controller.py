@@ -116,7 +116,7 @@ class AsyncController:
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
         self.samples_unconsumed = 0            # samples still queued at stop (counted, never trained)
-        self.trained_groups: set[str] = set()  # groups handed to the trainer: a group is never trained twice
+        self.trained_groups: dict[str, int] = {}   # group -> version it was trained at (recent ones: duplicates)
         self.acks: list[Ack] = []              # acks received but not yet waited for
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
@@ -228,7 +228,9 @@ class AsyncController:
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups if g[0].group_id in self.trained_groups)
-        self.trained_groups |= {g[0].group_id for g in groups}
+        horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER    # bounded, as the assembler's ids
+        self.trained_groups = {g: v for g, v in self.trained_groups.items() if v >= horizon}
+        self.trained_groups.update((g[0].group_id, self.version) for g in groups)
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
             "time_wait_rollout": now() - t0,

@@ -21,6 +21,7 @@ time_weight_sync is what the trainer itself spent on step k's sync.
 """
 
 import asyncio
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -138,13 +139,22 @@ def scalars(row: dict) -> dict:
 # the run log
 
 
+SUMMED = ("time_wait_rollout", "time_train", "time_weight_sync", "samples_dropped_stale", "groups_filtered",
+          "samples_failed")      # the row keys the summary adds up
+
+
 class RunLog:
     def __init__(self, cfg, start_step: int = 0):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.path = self.out / "metrics.jsonl"
         self.start_step = start_step
-        self.rows: list[dict] = []                # this session's rows
+        # this session's rows, bounded (a long run must not grow): the first and the last 10, sums
+        self.num_rows = 0
+        self.first: list[dict] = []
+        self.recent: collections.deque[dict] = collections.deque(maxlen=10)
+        self.totals: collections.Counter = collections.Counter()
+        self.evals: dict[str, list[tuple[int, float]]] = {}    # eval key -> [(step, value) first, last]
         self.t_start = process_start()
         self.t_ready: float | None = None
         fresh = start_step == 0
@@ -181,7 +191,14 @@ class RunLog:
                "tokens_per_s": info["num_tokens"] / time_step}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        self.rows.append(row)
+        self.num_rows += 1
+        if len(self.first) < 10:
+            self.first.append(row)
+        self.recent.append(row)
+        self.totals.update({k: row.get(k) or 0 for k in SUMMED})
+        for k, v in row.items():
+            if k.startswith("eval_") and v is not None:
+                self.evals[k] = [self.evals.get(k, [(step, v)])[0], (step, v)]
         self.tracker.log(scalars(row), step)
         if self.events is not None:
             self.events.flush()
@@ -191,7 +208,7 @@ class RunLog:
     def eta(self, step: int) -> float:
         """Seconds left: the mean of the last 10 step times, times the steps left (or the time left
         under --time-limit-min, if less)."""
-        recent = [r["time_step"] for r in self.rows[-10:]]
+        recent = [r["time_step"] for r in self.recent]
         left = sum(recent) / len(recent) * (self.cfg.steps - step)
         limit = getattr(self.cfg, "time_limit_min", 0.0)
         if limit and self.t_ready is not None:
@@ -199,7 +216,7 @@ class RunLog:
         return left
 
     def line(self, r: dict) -> str:
-        rewards = [x["reward_mean"] for x in self.rows[-10:]]
+        rewards = [x["reward_mean"] for x in self.recent]
         return (f"step {r['step']:4d}/{self.cfg.steps} | v{r['version']} | reward {r['reward_mean']:.3f} "
                 f"(avg10 {sum(rewards) / len(rewards):.3f}) | stale max {r['staleness_max']} mean "
                 f"{r['staleness_mean']:.2f} | dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | "
@@ -225,33 +242,30 @@ class RunLog:
             self.tracker = None
 
     def summary(self, t_end: float | None = None) -> str:
-        rows, t_end = self.rows, t_end or time.time()
-        if not rows:
+        n, t_end, tot = self.num_rows, t_end or time.time(), self.totals
+        if not n:
             return f"run ended after {fmt_s(t_end - self.t_start)}: no step completed"
         t_ready = self.t_ready or self.t_start
         after = t_end - t_ready                      # everything after start-up
-        parts = {"wait for rollout": sum(r["time_wait_rollout"] for r in rows),
-                 "train": sum(r["time_train"] for r in rows), "weight sync": sum(r["time_weight_sync"] for r in rows)}
+        parts = {"wait for rollout": tot["time_wait_rollout"], "train": tot["time_train"],
+                 "weight sync": tot["time_weight_sync"]}
         parts["rest"] = max(0.0, after - sum(parts.values()))   # advantages, probes, logging, checkpoints
 
         def mean(key, rs):
             vals = [r[key] for r in rs if r.get(key) is not None]
             return sum(vals) / len(vals) if vals else float("nan")
-        k = min(10, max(1, len(rows) // 2))         # first k vs last k steps: apart when there are 2+
-        lines = [f"run done: {len(rows)} steps in {fmt_s(t_end - self.t_start)} (start-up {fmt_s(t_ready - self.t_start)}, "
-                 f"then {after / len(rows):.2f}s per step)",
-                 f"  reward     {mean('reward_mean', rows[:k]):.3f} (first {k} steps) -> "
-                 f"{mean('reward_mean', rows[-k:]):.3f} (last {k})"]
-        for key in sorted({key for r in rows for key in r if key.startswith("eval_")}):
-            evals = [r for r in rows if r.get(key) is not None]
-            lines.append(f"  {key:<10} {evals[0][key]:.3f} (step {evals[0]['step']}) -> {evals[-1][key]:.3f} "
-                         f"(step {evals[-1]['step']})")
+        k = min(10, max(1, n // 2))                 # first k vs last k steps: apart when there are 2+
+        lines = [f"run done: {n} steps in {fmt_s(t_end - self.t_start)} (start-up {fmt_s(t_ready - self.t_start)}, "
+                 f"then {after / n:.2f}s per step)",
+                 f"  reward     {mean('reward_mean', self.first[:k]):.3f} (first {k} steps) -> "
+                 f"{mean('reward_mean', list(self.recent)[-k:]):.3f} (last {k})"]
+        for key, ((s0, v0), (s1, v1)) in sorted((k_, (e[0], e[-1])) for k_, e in self.evals.items()):
+            lines.append(f"  {key:<10} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
         lines += [
             "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
             + f"  (of {fmt_s(after)} after start-up)",
-            f"  samples    {sum(r['samples_dropped_stale'] for r in rows)} dropped as stale, "
-            f"{sum(r['groups_filtered'] for r in rows)} groups filtered (all rewards equal), "
-            f"{sum(r.get('samples_failed', 0) for r in rows)} failed",
+            f"  samples    {tot['samples_dropped_stale']} dropped as stale, "
+            f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed",
             f"  files      {self.path}" + (f", {self.events.path}" if self.events is not None else "")
             + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
             + f"; checkpoint {self.out / 'checkpoint'}",

@@ -2,6 +2,7 @@
 
     .venv/bin/python soak.py                       # 30 minutes, async ratio 2, 10% env failures, 5% hangs
     .venv/bin/python soak.py --minutes 3 -- --batch-groups 8      # extra args after -- go to train.py
+    .venv/bin/python soak.py --engine-rounds 8     # one engine alone: its memory over 8 x 10k requests
 
 The job is the default layout (`torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1`)
 at --async-ratio 2 with --env-fail-rate 0.1 --env-hang-rate 0.05 (a hung env call fails after
@@ -76,6 +77,38 @@ def slope(ts: list[float], ys: list[float]) -> float:
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
 
 
+def engine_rounds(args):
+    """One vLLM engine in this process, rounds of 10,000 short requests (500 at a time): the engine
+    core's and worker's RSS after each round, to tell a leak from a warm-up that levels off."""
+    import asyncio
+
+    import psutil
+
+    import quiet
+    quiet.setup()
+    import tiny_model
+    from proxy import LLMProxy, Sampling
+
+    async def run():
+        proxy = await LLMProxy.start_vllm(str(tiny_model.ensure_tiny_model()), rank=0, max_num_seqs=64)
+
+        def rss():
+            kids = psutil.Process().children(recursive=True)
+            return {role: round(sum(p.memory_info().rss for p in kids if key in " ".join(p.cmdline())) / 2**20, 1)
+                    for role, key in (("engine core", "EngineCore"), ("engine worker", "Worker"))}
+        try:
+            await proxy.generate([5, 6, 7], Sampling(max_tokens=2))
+            print(f"  start: {rss()}", flush=True)
+            for r in range(args.engine_rounds):
+                for _ in range(20):
+                    await asyncio.gather(*[proxy.generate([5, 6, 7, i % 20 + 2], Sampling(max_tokens=8))
+                                           for i in range(500)])
+                print(f"  after {10_000 * (r + 1)} requests: {rss()}", flush=True)
+        finally:
+            proxy.shutdown()
+    asyncio.run(run())
+
+
 def main(args):
     out = Path(args.out_dir)
     port = random.Random().randrange(20000, 40000)
@@ -146,6 +179,8 @@ if __name__ == "__main__":
     ap.add_argument("--every-s", type=float, default=30.0, help="seconds between memory samples")
     ap.add_argument("--warmup-min", type=float, default=3.0, help="memory growth is measured from here")
     ap.add_argument("--out-dir", default="runs/soak")
+    ap.add_argument("--engine-rounds", type=int, default=0, help="instead: one engine alone, this many rounds "
+                    "of 10k requests")
     args = ap.parse_args(argv)
     args.train_args = extra
-    main(args)
+    engine_rounds(args) if args.engine_rounds else main(args)

@@ -137,3 +137,23 @@ def test_a_sample_given_up_on_kills_its_group():
     assert "a" not in asm.pending and asm.groups_failed == 1 and asm.samples_failed == 3
     asm.add(sample("a", [0], 0.0, i=3), 0)         # a straggler of the lost group is dropped
     assert not asm.pending and not asm.ready
+
+
+def test_assembler_memory_stays_bounded_on_a_long_run():
+    """1000 versions of 4 groups each (some filtered, some stale): the ids the assembler remembers
+    stop growing, and a straggler of a long-forgotten group is still counted (as stale)."""
+    asm = GroupAssembler(group_size=2, async_ratio=1)
+    sizes = []
+    for v in range(1000):
+        for g in range(4):
+            gid = f"g{v}.{g}"
+            lag = 3 if g == 3 else 0                           # one group a version arrives stale
+            asm.add(sample(gid, [v - lag], 0.0, i=0), v)
+            asm.add(sample(gid, [v - lag], float(g % 2), i=1), v)   # g0, g2 filtered; g1 ready
+        asm.take(4, v)
+        asm.evict_stale(v + 1)
+        sizes.append(len(asm.closed) + len(asm.dead) + len(asm.resolved) + len(asm.resolved_at))
+    assert max(sizes[500:]) == max(sizes[100:200]) < 200
+    before = asm.samples_dropped_stale
+    asm.add(sample("g3.1", [3], 1.0, i=2), 1000)              # its group closed 997 versions ago
+    assert asm.samples_dropped_stale == before + 1 and not asm.pending

@@ -139,10 +139,10 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
 
     async def main():
         c = controller(async_ratio=async_ratio, redundant=redundant, batch_groups=B, group_size=G)
-        open_tasks, admitted, taken, rng = [], set(), set(), random.Random(0)
+        open_tasks, admitted, taken, lost, rng = [], set(), set(), set(), random.Random(0)
 
-        def outstanding():
-            lost = c.asm.dead | (c.asm.closed - {g[0].group_id for g in c.asm.ready} - taken)
+        def outstanding():    # (lost accumulates: the assembler forgets long-resolved ids)
+            lost.update(c.asm.dead | (c.asm.closed - {g[0].group_id for g in c.asm.ready} - taken))
             return len(admitted - taken - lost)
         for ev in [("admit",)] + events:
             await c.admit()
@@ -154,6 +154,7 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
                 continue
             if ev[0] == "step":
                 if c.asm.num_ready() >= B:            # a training step: B groups taken, version + 1
+                    outstanding()                         # (what was lost so far, before it is forgotten)
                     taken |= {g[0].group_id for g in c.asm.take(B, c.version)}
                     c.groups_taken += B
                     c.version += 1

@@ -132,6 +132,23 @@ def test_eval_metrics_are_summarised_when_present(tmp_path):
     assert "eval_accuracy 0.600 (step 1) -> 0.800 (step 3)" in log.summary()
 
 
+def test_a_long_run_keeps_a_bounded_record_and_the_same_summary(tmp_path, capsys):
+    """RunLog keeps the first and last 10 rows and sums, not every row (a soak run's trainer grew by
+    its rows): after 1000 steps the summary is what the whole list of rows gives."""
+    log = RunLog(Config(out_dir=str(tmp_path), steps=1000))
+    log.t_start, log.t_ready = 0.0, 10.0
+    for i in range(1, 1001):
+        args = step_args(i)
+        args[2]["reward_mean"] = i / 1000
+        log.step(*args)
+    capsys.readouterr()
+    assert len(log.first) == 10 and len(log.recent) == 10
+    s = log.summary(t_end=2010.0)
+    assert "0.005 (first 10 steps) -> 0.996 (last 10)" in s                 # means of 1..10 and 991..1000, / 1000
+    assert f"{sum(range(1, 1001))} dropped as stale, 2000 groups filtered" in s
+    assert "wait for rollout 25% | train 50% | weight sync 12%" in s        # of 2000 s: 500, 1000, 250
+
+
 def test_event_log_caps_request_events_not_steps(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", max_requests=3, fresh=True)
     log.extend([{"ev": "req", "rank": 0, "t": [1.0, 2.0], "v": [0, 0], "n": 1, "finish": "stop"}] * 5)
