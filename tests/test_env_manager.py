@@ -592,6 +592,17 @@ def test_reward_workers_process_pool(tok):
     assert asyncio.run(main()) == [("a", 1.0), ("b", 0.0)]
 
 
+def with_engine_restarts(m) -> list:
+    """Give manager m a restart_engine that starts fresh fake engines; returns the list they go in."""
+    fresh = []
+
+    async def restart_engine():
+        fresh.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
+        return fresh[-1]
+    m.restart_engine = restart_engine
+    return fresh
+
+
 def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(tok):
     """The engine stops answering with work in flight: the proxy's watchdog notices within its
     timeout, every in-flight sample is reported as given up (lost to the engine), a new engine is
@@ -601,17 +612,12 @@ def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(t
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        fresh_engines = []
-
-        async def restart_engine():
-            fresh_engines.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
-            return fresh_engines[-1]
 
         async def receive_weights(cmd):
             return weights
         m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
                          length_sampler=lambda rng: 5)
-        m.restart_engine = restart_engine
+        fresh_engines = with_engine_restarts(m)
         run = asyncio.create_task(m.run())
         await buf.send_command(0, Command(Cmd.SYNC, 3))
         await acks_until(buf, Phase.SYNCED, 3)
@@ -644,17 +650,12 @@ def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_sync_completes(to
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        fresh_engines = []
-
-        async def restart_engine():
-            fresh_engines.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
-            return fresh_engines[-1]
 
         async def receive_weights(cmd):
             return [("w", torch.ones(2))]
         m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
                          probe_ids=[1, 2, 3], length_sampler=lambda rng: 5)
-        m.restart_engine = restart_engine
+        fresh_engines = with_engine_restarts(m)
 
         async def dead_score(token_ids):
             raise RuntimeError("EngineCore encountered an issue")     # what vLLM raises once its core is gone
