@@ -152,9 +152,11 @@ def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
     every failure a rollout rank reported reached the controller, hung calls timed out, and no
     sample was trained twice."""
     out = tmp_path / "faults"
-    r = finish(torchrun(out, "--steps", "4", "--async-ratio", "1", "--save-every", "0", "--env-fail-rate", "0.1",
-                        "--env-hang-rate", "0.05", "--env-step-timeout-s", "2", "--env-latency-s", "0.01"), out)
-    assert [x["step"] for x in r] == [1, 2, 3, 4]
+    # A hung call counts as a timeout only once it has hung --env-step-timeout-s, and a short run can
+    # end first (a CI run failed so, with 4 steps and a 2 s timeout): 6 steps, 1 s, 10% of calls hang.
+    r = finish(torchrun(out, "--steps", "6", "--async-ratio", "1", "--save-every", "0", "--env-fail-rate", "0.1",
+                        "--env-hang-rate", "0.1", "--env-step-timeout-s", "1", "--env-latency-s", "0.01"), out)
+    assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
     assert all(x["num_samples"] == 16 and x["samples_duplicate"] == 0 for x in r)
     stats = json.loads((out / "rollout_stats.json").read_text())
     ranks, ctrl = stats["rollout_ranks"], stats["controller"]
