@@ -21,16 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from jobs import job_tree, split_args, torchrun_cmd
+
 ROOT = Path(__file__).resolve().parent
-
-
-def ranks(pid: int) -> list:
-    """torchrun's rank processes right now (the children running train.py)."""
-    import psutil
-    try:
-        return [p for p in psutil.Process(pid).children() if "train.py" in " ".join(p.cmdline())]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def steps_done(out: Path) -> list[int]:
@@ -48,11 +41,8 @@ def checkpoint_step(out: Path) -> int:
 
 def main(args):
     out = Path(args.out_dir)
-    port = random.Random().randrange(20000, 40000)
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--max-restarts", str(args.kills + 2),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "train.py", "--rollout-gpus", "1",
-           "--train-gpus", "1", "--steps", str(args.steps), "--save-every", str(args.save_every), "--resume", "auto",
-           "--out-dir", str(out), *args.train_args]
+    cmd = torchrun_cmd("--steps", str(args.steps), "--save-every", str(args.save_every), "--resume", "auto",
+                       "--out-dir", str(out), *args.train_args, launcher=("--max-restarts", str(args.kills + 2)))
     if not args.keep:        # a fresh run (torchrun restarts it with the same argv: --resume auto finds its checkpoint)
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,11 +58,10 @@ def main(args):
             while job.poll() is None and len(steps_done(out)) <= seen:
                 time.sleep(0.2)
             time.sleep(rng.uniform(args.min_wait_s, args.max_wait_s))
-            procs = ranks(job.pid)
+            procs = [(role, p) for role, p in job_tree(job.pid).values() if role in ("trainer rank", "rollout rank")]
             if job.poll() is not None or not procs:
                 break
-            victim = rng.choice(procs)
-            role = "trainer rank" if victim.environ().get("RANK") == "0" else "rollout rank"
+            role, victim = rng.choice(sorted(procs, key=lambda rp: rp[1].pid))
             done, ckpt = steps_done(out), checkpoint_step(out)
             victim.kill()
             kills.append({"t_s": round(time.monotonic() - t0, 1), "victim": role, "last_step": max(done, default=0),
@@ -92,9 +81,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_args(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60)

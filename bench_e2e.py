@@ -26,9 +26,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from jobs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent
 
@@ -112,11 +113,10 @@ def naive(args, seed: int) -> dict:
 
 
 def system(args, seed: int, async_ratio: int, out_dir: Path) -> dict:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "train.py",
-           "--rollout-gpus", "1", "--train-gpus", "1", "--steps", str(args.steps), "--async-ratio", str(async_ratio),
-           "--out-dir", str(out_dir), "--save-every", "0", "--seed", str(seed), "--loss", args.loss,
-           "--lr", str(args.lr), "--batch-groups", str(args.batch_groups), "--group-size", str(args.group_size),
-           "--max-tokens", str(args.max_tokens), "--micro-batch", str(args.micro_batch)]
+    cmd = torchrun_cmd("--steps", str(args.steps), "--async-ratio", str(async_ratio),
+                       "--out-dir", str(out_dir), "--save-every", "0", "--seed", str(seed), "--loss", args.loss,
+                       "--lr", str(args.lr), "--batch-groups", str(args.batch_groups), "--group-size", str(args.group_size),
+                       "--max-tokens", str(args.max_tokens), "--micro-batch", str(args.micro_batch))
     t = time.monotonic()
     with open(out_dir.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode

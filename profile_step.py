@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from jobs import job_tree, split_args, torchrun_cmd
+
 ROOT = Path(__file__).resolve().parent
 
 # (process, phase, regex over the stack): first match wins. Process names: see process_of().
@@ -76,12 +78,6 @@ def process_of(stacks: list[str], cmdline: str) -> str:
     return "other"
 
 
-def job_processes(pid: int) -> list:
-    import psutil
-    root = psutil.Process(pid)
-    return [root] + root.children(recursive=True)
-
-
 def cpu_s(p) -> float:
     t = p.cpu_times()
     return t.user + t.system
@@ -110,9 +106,7 @@ def classify(raw: str) -> tuple[collections.Counter, dict]:
 
 def main(args, train_args: list[str]):
     out_dir = Path(tempfile.mkdtemp(prefix="profile-"))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "train.py",
-           "--rollout-gpus", "1", "--train-gpus", "1", "--out-dir", str(out_dir), "--save-every", "0",
-           "--steps", str(args.skip + 1000), *train_args]
+    cmd = torchrun_cmd("--out-dir", str(out_dir), "--save-every", "0", "--steps", str(args.skip + 1000), *train_args)
     log = open(out_dir / "train.log", "w")
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = out_dir / "metrics.jsonl"
@@ -124,7 +118,7 @@ def main(args, train_args: list[str]):
                                  f"see {out_dir / 'train.log'}")
             time.sleep(0.5)
         first = len(metrics.read_text().splitlines())
-        procs = job_processes(job.pid)
+        procs = [p for _, p in job_tree(job.pid).values()]
         cpu0 = {p.pid: cpu_s(p) for p in procs}
         t0 = time.monotonic()
         raw = out_dir / "profile.raw"
@@ -155,9 +149,7 @@ def main(args, train_args: list[str]):
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_args(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", type=int, default=15, help="steps to let pass before profiling")
     ap.add_argument("--seconds", type=int, default=20, help="profiling window, seconds")

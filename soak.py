@@ -22,43 +22,22 @@ Printed at the end, one JSON object:
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from jobs import job_tree, split_args, torchrun_cmd
+
 ROOT = Path(__file__).resolve().parent
 
 
-def role_of(p, root_pid: int) -> str:
-    cmd = " ".join(p.cmdline())
-    if p.pid == root_pid:
-        return "torchrun"
-    if "EngineCore" in cmd:
-        return "engine core"
-    if "VLLM::Worker" in cmd or "VllmWorker" in cmd:
-        return "engine worker"
-    if "train.py" in cmd and p.ppid() == root_pid:
-        return "trainer rank" if p.environ().get("RANK") == "0" else "rollout rank"
-    parent = " ".join(p.parent().cmdline()) if p.parent() else ""
-    if "resource_tracker" in cmd:
-        return "resource tracker"
-    return "queue server" if "train.py" in parent and p.parent().environ().get("RANK") == "0" else "helper"
-
-
 def sample(root_pid: int) -> dict:
-    """role -> (rss MB, fds, threads), summed over processes of the same role."""
+    """role -> (rss MB, fds, threads), summed over the job's processes of the same role."""
     import psutil
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
     out: dict[str, list[float]] = {}
-    for p in procs:
+    for role, p in job_tree(root_pid).values():
         try:
-            role = role_of(p, root_pid)
             rss, fds, threads = p.memory_info().rss / 2**20, p.num_fds(), p.num_threads()
         except psutil.NoSuchProcess:
             continue
@@ -111,13 +90,10 @@ def engine_rounds(args):
 
 def main(args):
     out = Path(args.out_dir)
-    port = random.Random().randrange(20000, 40000)
     ratio = args.async_ratio
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
-           "--steps", "1000000", "--time-limit-min", str(args.minutes), "--async-ratio", str(ratio),
-           "--env-fail-rate", "0.1", "--env-hang-rate", "0.05", "--env-step-timeout-s", "2", "--save-every", "100",
-           "--out-dir", str(out), "--overwrite", *args.train_args]
+    cmd = torchrun_cmd("--steps", "1000000", "--time-limit-min", str(args.minutes), "--async-ratio", str(ratio),
+                       "--env-fail-rate", "0.1", "--env-hang-rate", "0.05", "--env-step-timeout-s", "2",
+                       "--save-every", "100", "--out-dir", str(out), "--overwrite", *args.train_args)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     series: list[tuple[float, dict]] = []
@@ -170,9 +146,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_args(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0, help="training time (train.py --time-limit-min)")
     ap.add_argument("--async-ratio", type=int, default=2)

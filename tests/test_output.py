@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from test_train import free_port_pair, kill_tree
+from jobs import free_port_pair
+from test_train import kill_tree
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,6 @@ the checkpoint's step and version."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,31 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from jobs import job_tree, torchrun_cmd
+
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--batch-groups", "4", "--group-size", "4", "--redundant", "2", "--max-concurrency", "16",
          "--timeout-s", "180", "--check-sync-every", "1"]
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's master port, and the buffer's queue server)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                    return p
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair")
-
-
 def torchrun(out_dir, *args, rollout_gpus: int = 2, launcher=()) -> subprocess.Popen:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1), *launcher,
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
-           "--rollout-gpus", str(rollout_gpus), "--train-gpus", "1", "--out-dir", str(out_dir), *SMALL, *args]
+    cmd = torchrun_cmd("--out-dir", str(out_dir), *SMALL, *args, rollout_gpus=rollout_gpus, launcher=launcher)
     log = open(Path(out_dir).with_suffix(".log"), "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -164,34 +148,6 @@ def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
     assert failed > 0 and ctrl["failed_samples_received"] == failed
     assert sum(rk["env_timeouts"] for rk in ranks) > 0 and sum(rk["retries"] for rk in ranks) > 0
     assert sum(x["samples_failed"] for x in r) > 0
-
-
-def job_tree(pid: int) -> dict:
-    """pid -> (role, process) for torchrun and everything under it."""
-    import psutil
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
-    out = {}
-    for p in procs:
-        try:
-            cmd = " ".join(p.cmdline())
-            if p.pid == pid:
-                role = "torchrun"
-            elif "EngineCore" in cmd:
-                role = "engine core"
-            elif "VLLM::Worker" in cmd or "VllmWorker" in cmd:
-                role = "engine worker"
-            elif "train.py" in cmd and p.ppid() == pid:
-                role = "trainer rank" if p.environ().get("RANK") == "0" else "rollout rank"
-            else:
-                role = "helper"           # queue server, resource tracker
-            out[p.pid] = (role, p)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 @pytest.mark.parametrize("victim", ["engine core", "engine worker", "rollout rank", "trainer rank", "torchrun"])
