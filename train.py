@@ -340,6 +340,11 @@ class TrainerRanks:
                        group=self.group)
 
     def _do(self, op: dict):
+        if self.cfg.train_gpus > 1:    # FSDP: the op's collectives (batch plan, forward/backward, gathers) name it
+            return collective(f"the trainer ranks' '{op['op']}'", self._op, op)
+        return self._op(op)
+
+    def _op(self, op: dict):
         tr = self.trainer
         if op["op"] == "train":
             metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank], op["version"])
