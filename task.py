@@ -180,18 +180,28 @@ def load_reward(spec: str):
 def _reward_worker(conn, spec: str):
     fn = load_reward(spec)
     while True:
-        problem, response = conn.recv()
+        call_id, problem, response = conn.recv()
         try:
-            conn.send(float(fn(problem, response)))
-        except Exception as e:          # a verifier that raises scores 0; say why
-            conn.send(e)
+            out = float(fn(problem, response))
+        except Exception as e:          # a verifier that raises scores 0; say why (short: one pipe write)
+            out = RuntimeError(f"{type(e).__name__}: {e}"[:1000])
+        conn.send((call_id, out))
 
 
 class RewardPool:
     """`workers` verifier processes. score() sends one call to an idle worker and waits at most
     timeout_s: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
     (counted in `timeouts`): a pathological input cannot hang the rank. Workers are spawned (not
-    forked: the rollout rank has threads) and end with the pool, or with this process."""
+    forked: the rollout rank has threads) and end with the pool, or with this process.
+
+    A worker is idle only when no answer of it is in flight. Every call carries an id that the
+    worker echoes, and answers with another id are dropped. A cancelled call (a stale abort, a
+    stop, an engine recovery) leaves its worker to a drain task, which waits for the answer (up to
+    the call's deadline) before the worker is idle again, or kills and replaces it (counted in
+    `abandoned`). The pipe is watched by the event loop itself (add_reader), not by a thread: the
+    answer of a call is never read by a thread that a cancelled call left behind, and scoring
+    goes on when the default thread pool is busy. Nothing here blocks the loop: a killed worker
+    is reaped by multiprocessing when the next one starts, or at shutdown."""
 
     def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0):
         if workers < 1 or timeout_s <= 0:
@@ -200,37 +210,79 @@ class RewardPool:
         self.ctx = multiprocessing.get_context("spawn")
         self.idle: asyncio.Queue | None = None      # made on first use, on the caller's event loop
         self.workers = workers
-        self.timeouts = self.errors = 0
+        self.procs = set()                          # every live worker process, idle or busy
+        self.drains = set()                         # drain tasks of cancelled calls
+        self.next_id = 0
+        self.timeouts = self.errors = self.abandoned = 0
 
     def _start(self):
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=_reward_worker, args=(child, self.spec), daemon=True)
         p.start()
+        child.close()                               # the worker's end lives in the worker: EOF when it dies
+        self.procs.add(p)
         return p, parent
+
+    def _replace(self, worker):
+        proc, conn = worker
+        proc.kill()
+        conn.close()
+        self.procs.discard(proc)
+        self.idle.put_nowait(self._start())
+
+    async def _answer(self, conn, call_id: int, deadline: float):
+        """The answer to call_id, read when the pipe is readable (an answer is one small write).
+        Raises TimeoutError at the deadline, EOFError/OSError if the worker died."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not conn.poll(0):
+                ready = loop.create_future()
+                loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+                try:
+                    await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
+                finally:
+                    loop.remove_reader(conn.fileno())
+            got_id, out = conn.recv()
+            if got_id == call_id:
+                return out                          # (an older id: a cancelled call's answer, dropped)
+
+    async def _drain(self, worker, call_id: int, deadline: float):
+        try:
+            await self._answer(worker[1], call_id, deadline)
+            self.idle.put_nowait(worker)
+        except (asyncio.TimeoutError, EOFError, OSError):
+            self.abandoned += 1
+            self._replace(worker)
 
     async def score(self, problem: Problem, response: str) -> float:
         if self.idle is None:
             self.idle = asyncio.Queue()
             for _ in range(self.workers):
                 self.idle.put_nowait(self._start())
-        proc, conn = await self.idle.get()
+        worker = await self.idle.get()
+        self.next_id += 1
+        call_id, deadline = self.next_id, asyncio.get_running_loop().time() + self.timeout_s
         try:
-            conn.send((problem, response))
-            out = await asyncio.wait_for(asyncio.to_thread(conn.recv), self.timeout_s)
+            worker[1].send((call_id, problem, response))
+            out = await self._answer(worker[1], call_id, deadline)
+        except asyncio.CancelledError:              # the answer is still coming: the worker is not idle yet
+            drain = asyncio.create_task(self._drain(worker, call_id, deadline))
+            self.drains.add(drain)
+            drain.add_done_callback(self.drains.discard)
+            raise
         except (asyncio.TimeoutError, EOFError, OSError):
-            proc.kill()                                 # stuck (or died): replace it
-            proc.join(5)
-            proc, conn = self._start()
-            self.timeouts += 1
+            self.timeouts += 1                      # stuck (or died): replace it
+            self._replace(worker)
             return 0.0
-        finally:
-            self.idle.put_nowait((proc, conn))
+        self.idle.put_nowait(worker)
         if isinstance(out, Exception):
             self.errors += 1
             return 0.0
         return out
 
     def shutdown(self):
-        while self.idle is not None and not self.idle.empty():
-            proc, _ = self.idle.get_nowait()
+        for drain in list(self.drains):
+            drain.cancel()
+        for proc in self.procs:
             proc.kill()
+        self.procs.clear()

@@ -8,3 +8,11 @@ def slow_or_exact(problem, response):
     if response == "raise":
         raise ValueError("a verifier bug")
     return 1.0 if response == problem.answer else 0.0
+
+
+def sleep_then(problem, response):
+    """response "SECONDS|VALUE": sleep that long, then score VALUE (a value names its own call)."""
+    import time
+    seconds, value = response.split("|")
+    time.sleep(float(seconds))
+    return float(value)

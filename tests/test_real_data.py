@@ -4,7 +4,9 @@ the heartbeat, prompts in flight across a resume, dataset keys, reasoning-gym ta
 import asyncio
 import itertools
 import json
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -29,6 +31,68 @@ def test_reward_pool_kills_a_verifier_that_hangs_and_goes_on():
     hung, waited, after, timeouts, errors = asyncio.run(main())
     assert hung == 0.0 and 1.5 <= waited < 6 and timeouts == 1
     assert after == [1.0, 0.0, 0.0] and errors == 1       # a fresh worker serves the next calls
+
+
+def score_after_a_cancel(workers: int, one_thread: bool) -> list[float]:
+    """Sample A (0.5 s verifier) is cancelled after 0.2 s; then samples whose own rewards are
+    10, 11, 12 are scored one after another. one_thread: the loop's default thread pool has one
+    thread, and it is busy for the first second (what a rank's other to_thread calls do)."""
+    async def main():
+        pool = RewardPool(workers, "reward_fixtures:sleep_then", timeout_s=5)
+        try:
+            await asyncio.gather(*[pool.score(Problem("warm", ""), "0|-1") for _ in range(workers)])  # start them
+            if one_thread:
+                asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+                busy = asyncio.create_task(asyncio.to_thread(time.sleep, 1.0))
+            a = asyncio.create_task(pool.score(Problem("a", ""), "0.5|1"))
+            await asyncio.sleep(0.2)
+            a.cancel()
+            got = [await pool.score(Problem(str(v), ""), f"0|{v}") for v in (10, 11, 12)]
+            if one_thread:
+                await busy
+            return got
+        finally:
+            pool.shutdown()
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_a_cancelled_reward_call_never_hands_its_answer_to_the_next_call(workers, one_thread):
+    assert score_after_a_cancel(workers, one_thread) == [10.0, 11.0, 12.0]
+
+
+def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
+    """60 concurrent calls on 3 workers, 1 thread in the default pool: random verifier times, a third cancelled at random
+    moments, a few past the timeout. Every call that completes gets its own value (its index),
+    or 0.0 exactly when it timed out; afterwards every worker still answers its own calls."""
+    rng = random.Random(0)
+    timeout_s = 0.6
+    plan = [(i, 2.0 if i % 20 == 7 else rng.uniform(0, 0.15), rng.random() < 0.33, rng.uniform(0, 1.5))
+            for i in range(60)]                     # (value, verifier seconds, cancel it?, cancel after s)
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))   # fewer threads than workers
+        pool = RewardPool(3, "reward_fixtures:sleep_then", timeout_s=timeout_s)
+        try:
+            calls = [asyncio.create_task(pool.score(Problem(str(i), ""), f"{secs}|{i}")) for i, secs, _, _ in plan]
+
+            async def cancel_later(task, after):
+                await asyncio.sleep(after)
+                task.cancel()
+            await asyncio.gather(*[cancel_later(calls[i], after) for i, _, cancel, after in plan if cancel])
+            done = await asyncio.gather(*calls, return_exceptions=True)
+            after = await asyncio.gather(*[pool.score(Problem("x", ""), f"0|{100 + k}") for k in range(6)])
+            return done, after, pool.timeouts
+        finally:
+            pool.shutdown()
+    done, after, timeouts = asyncio.run(main())
+    completed = [(i, secs, got) for (i, secs, _, _), got in zip(plan, done) if not isinstance(got, BaseException)]
+    assert len(completed) >= 30
+    for i, secs, got in completed:
+        assert got == (0.0 if secs > timeout_s else float(i)), (i, secs, got)
+    assert 1 <= timeouts <= 3 and sum(secs > timeout_s for _, secs, _ in completed) == timeouts
+    assert after == [100.0 + k for k in range(6)]
 
 
 def test_reward_spec_is_checked():
