@@ -90,7 +90,7 @@ def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
 
 
 class Cmd(enum.StrEnum):
-    SYNC = "sync"                  # load weights `version`: suspend, ack, receive, load, resume, ack
+    SYNC = "sync"                  # load weights `version`: suspend, receive into the engine, resume, ack
     ABORT_GROUPS = "abort_groups"  # the controller no longer wants these groups: abort their work
     SLEEP = "sleep"                # --colocate: end all work, free the engine's memory for training (ack SLEPT)
     STOP = "stop"                  # end the rollout loop (ack STOPPED)
@@ -99,6 +99,7 @@ class Cmd(enum.StrEnum):
 class Phase(enum.StrEnum):
     READY = "ready"                # the rank's engine is up and its rollout loop runs; carries the probe
     SYNCED = "synced"              # SYNC: received, loaded, resumed, stale work aborted; engine stats, probe
+    REPLACED = "replaced"          # the rank's engine was replaced after the first sync: it waits for a SYNC
     SLEPT = "slept"                # SLEEP: the engine is asleep; the next SYNC wakes it
     STOPPED = "stopped"            # STOP: every trajectory ended; carries the rank's counters
 
@@ -108,6 +109,7 @@ class Command:
     kind: Cmd
     version: int | None = None             # SYNC: the version being loaded
     meta: list | None = None               # SYNC: (name, shape, dtype) per weight, the receiver's bucket plan
+    group: object = None                   # SYNC: the weight-sync group to receive over (weight_sync.GroupSpec)
     probe: bool = False                    # SYNC: score the probe sequence after loading (ack.probe)
     group_ids: list[str] = field(default_factory=list)   # ABORT_GROUPS
 
@@ -119,7 +121,8 @@ class Ack:
     version: int | None = None             # SYNCED: the version of the SYNC being acked
     engine: dict | None = None             # READY, SYNCED: proxy.stats() (busy/idle seconds...)
     probe: list[float] | None = None       # READY, and SYNCED with Command.probe: engine logprobs of the probe
-    timings: dict | None = None            # SYNCED: receive_s (the transport), load_s (suspend + load + resume)
+    timings: dict | None = None            # SYNCED: receive_s (transfer into the engine), load_s (suspend + that + resume)
+    needs_weights: bool = False            # SYNCED: the broadcast failed; the engine waits, suspended, for a new SYNC
     stats: dict | None = None              # STOPPED: the env manager's counters
     events: list[dict] | None = None       # SYNCED, STOPPED: the rank's timeline events since its last ack (timeline.py)
 
@@ -357,6 +360,9 @@ class SampleBuffer:
     def get_command_nowait(self, rank: int) -> Command | None:
         got = self.t.get_many_nowait("commands", 1, rank)
         return got[0] if got else None
+
+    def get_acks_nowait(self) -> list[Ack]:
+        return self.t.get_many_nowait("acks", self.MAX_BATCH)
 
     async def put_ack(self, ack: Ack):
         await self.t.put_many("acks", [ack])

@@ -4,7 +4,7 @@ Each training step is schedule -> run -> postprocess:
 
     batch, info = await ctrl.collect()          # admit prompts under the async ratio, gather B groups
     ... trainer.train_step(batch) on every trainer rank ...
-    sync = await ctrl.sync_weights(version + 1, send_fn, meta)   # suspend -> broadcast -> load -> resume
+    sync = await ctrl.sync_weights(version + 1, send_fn, meta, group=spec)   # suspend -> broadcast into the engines -> resume
 
 Admission (the async ratio alpha): the trainer at version v consumes B groups per step, and a
 sample may be at most alpha versions older than the trainer that uses it. So the controller keeps
@@ -25,22 +25,25 @@ The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues
 | message | sender -> receiver | carries | bounded by |
 |---|---|---|---|
 | Ack READY | each rollout rank -> controller | rank, engine stats, the probe's logprobs (initial weights) | wait_ready: timeout_s |
-| Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), probe flag | - |
-| (the broadcast) | trainer rank 0 -> rollout ranks | the weights, in buckets (send_fn / receive_weights) | the sync group's timeout |
-| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times, timeline events | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
+| Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), the group to receive over, probe flag | - |
+| (the broadcast) | trainer rank 0 -> every engine's workers | the weights, in buckets (weight_sync.py) | the weight-sync group's timeout |
+| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times, timeline events, needs_weights | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
+| Ack REPLACED | rollout rank -> controller | rank: its engine was replaced after the first sync and waits for weights | checked while collecting and before each SYNC |
 | Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
 | Cmd SLEEP | controller -> each rollout rank (--colocate) | - | - |
 | Ack SLEPT | rollout rank -> controller | rank: its engine released its memory | sleep_engines: timeout_s |
 | Cmd STOP | controller -> each rollout rank | - | - |
 | Ack STOPPED | rollout rank -> controller | rank, the env manager's counters, timeline events | stop: timeout_s |
 
-A weight sync, overlapped with training: sync_weights sends SYNC and broadcasts; the rank receives
-while its engine keeps generating, then suspends, loads and resumes (env_manager.EnvManager._sync)
-and acks SYNCED. The trainer waits only for the broadcast: it moves on to the next step, and the
+A weight sync, overlapped with training: sync_weights sends SYNC and broadcasts; each rank suspends
+its engine, whose workers receive the broadcast straight into the model, resumes
+(env_manager.EnvManager._sync) and acks SYNCED. The trainer waits only for the broadcast: it moves on to the next step, and the
 SYNCED acks are awaited at the start of the next sync_weights (so one sync is in flight at most) or
 by finish_sync. The controller's version is the trainer's: it moves on at the broadcast, so a sample
 generated in the few milliseconds before its engine loads counts as one version older, never newer.
-A wait that times out names the ranks that did not ack and the phase.
+A wait that times out names the ranks that did not ack and the phase. An engine replaced after a
+failure holds none of the synced weights: its rank acks REPLACED and the controller syncs the current
+version again over a new weight-sync group (generation + 1), at once if it is collecting.
 """
 
 import asyncio
@@ -121,6 +124,12 @@ class AsyncController:
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
+        # the weight sync's transport (set by each sync_weights): send_fn(group) broadcasts the trainer's
+        # current weights over `group` (weight_sync.GroupSpec; None: engines without one, the fake)
+        self.send_fn, self.meta, self.group = None, None, None
+        self.gen = 0                           # the weight-sync group's generation: +1 after an engine is replaced
+        self.resyncs = 0                       # syncs done again for replaced engines
+        self._t_replaced_check = 0.0
         # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
@@ -197,10 +206,13 @@ class AsyncController:
             waited = now() - t_progress
             if waited > cfg.timeout_s:
                 raise TimeoutError(self._stall_report(before))
+            if now() - self._t_replaced_check >= 1.0:
+                self._t_replaced_check = now()
+                await self._serve_replaced()             # a replaced engine waits for weights
             try:
-                s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s))
+                s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
             except TimeoutError:
-                continue                                 # a heartbeat, or the stall report, above
+                continue                                 # a heartbeat, a replaced engine, or the stall report
             if s.meta.get("eval"):
                 self._eval_add(s)                        # evaluation: scored, never trained
                 continue
@@ -288,19 +300,20 @@ class AsyncController:
             await self.buffer.send_command(r, Command(Cmd.ABORT_GROUPS, group_ids=group_ids))
 
     # --- postprocess: weight sync, overlapped with the next step
-    async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None) -> dict:
-        """Send SYNC to every rollout rank and broadcast (send_fn, a blocking collective, run in a
-        thread); return when the broadcast is done. Each rank then suspends, loads, resumes and acks
-        SYNCED on its own while the trainer goes on; those acks are awaited at the next call (one
-        sync in flight at most) or by finish_sync(). probe_ref: the trainer's logprobs of the probe,
-        which the ranks then score too. Returns trainer-side timings plus the report of the
-        previous sync (see finish_sync)."""
+    async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None,
+                           group=None) -> dict:
+        """Send SYNC to every rollout rank and broadcast (send_fn(group), a blocking collective with
+        the engines' workers, run in a thread); return when the broadcast is done. Each rank then
+        resumes and acks SYNCED on its own while the trainer goes on; those acks are awaited at the
+        next call (one sync in flight at most) or by finish_sync(). meta: the weights' (name, shape,
+        dtype); group: the weight-sync group's spec (weight_sync.GroupSpec, any generation).
+        probe_ref: the trainer's logprobs of the probe, which the ranks then score too. Returns
+        trainer-side timings plus the report of the previous sync (see finish_sync)."""
         t0, wall0 = now(), time.time()
         report = await self.finish_sync()
         t1, wall1 = now(), time.time()
-        for r in range(self.num_ranks):
-            await self.buffer.send_command(r, Command(Cmd.SYNC, new_version, meta, probe=probe_ref is not None))
-        await asyncio.to_thread(send_fn)
+        self.send_fn, self.meta, self.group = send_fn, meta, group
+        await self._send_weights(new_version, probe_ref is not None)
         t2 = now()
         if self.events is not None and self._collect_span:   # the trainer's step, for the timeline
             self.events.add({"ev": "step", "version": new_version, "collect": self._collect_span,
@@ -316,6 +329,56 @@ class AsyncController:
             await self._abort_groups(dropped)
         return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
                 **report}
+
+    def _take_replaced(self) -> int:
+        """Drop the REPLACED acks received so far; returns how many there were."""
+        self.acks += self.buffer.get_acks_nowait()
+        n = sum(a.phase == Phase.REPLACED for a in self.acks)
+        self.acks = [a for a in self.acks if a.phase != Phase.REPLACED]
+        return n
+
+    async def _send_weights(self, version: int, probe: bool):
+        """SYNC to every rank, then the broadcast. A replaced engine cannot enter the group its
+        predecessor was in: then every member forms a new one (generation + 1). A broadcast that
+        fails (an engine died under it: every member's receive fails) is done once more over a new
+        group, once every rank has acked that its engine waits for weights."""
+        if self._take_replaced():
+            self.gen += 1
+        for attempt in (1, 2):
+            group = self.group.with_gen(self.gen) if self.group is not None else None
+            for r in range(self.num_ranks):
+                await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe, group=group))
+            try:
+                await asyncio.to_thread(self.send_fn, group)
+                return
+            except Exception as e:
+                if attempt == 2:
+                    raise
+                error = e
+            acks = await self._wait_acks(Phase.SYNCED, version)
+            if not any(a.needs_weights for a in acks):
+                raise error                                  # the trainer's side failed, not an engine
+            if self.log:
+                self.log(f"weight sync to version {version}: the broadcast failed ({error}); sending again "
+                         f"over a new group")
+            self._take_replaced()
+            self.gen += 1
+            self.resyncs += 1
+
+    async def _serve_replaced(self):
+        """An engine replaced after the first sync waits, suspended, for the current weights: sync
+        the current version again over a new group (every engine reloads it; engines are rarely
+        replaced). Its acks are awaited here; the sync in flight, if any, is finished first."""
+        self.acks += self.buffer.get_acks_nowait()
+        if self.send_fn is None or not any(a.phase == Phase.REPLACED for a in self.acks):
+            return
+        if self.in_flight is not None:
+            self.unreported = await self.finish_sync()
+        if self.log:
+            self.log(f"a rollout engine was replaced: syncing version {self.version} again over a new group")
+        self.resyncs += 1
+        await self._send_weights(self.version, probe=False)
+        await self._wait_acks(Phase.SYNCED, self.version)
 
     async def finish_sync(self) -> dict:
         """Wait for the SYNCED acks of the sync in flight, if any, and report what they carry:

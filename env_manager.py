@@ -1,6 +1,6 @@
 """env_manager.py: the rollout side of one rank. Many concurrent trajectories over one LLMProxy.
 
-    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), receive_weights=recv)
+    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...))
     stats = await mgr.run()        # acks READY, then runs until the controller sends Cmd.STOP
 
 Two parts, one job each:
@@ -28,17 +28,15 @@ here in full and its samples are put together when the last one ends.
 
 Weight sync, the rollout side of controller.AsyncController.sync_weights (Cmd.SYNC):
 
-    named = await receive_weights(cmd)     (the engine keeps generating meanwhile)
-    -> proxy.suspend(cfg.suspend_mode) -> proxy.update_weights(named, version) -> proxy.resume()
-    -> abort work that can no longer be fresh -> ack SYNCED (engine stats, receive and load times;
-    the probe's logprobs when cmd.probe)
+    proxy.suspend(cfg.suspend_mode) -> proxy.update_weights(cmd.meta, version, cmd.group)
+    -> proxy.resume() -> abort work that can no longer be fresh -> ack SYNCED (engine stats,
+    receive and load times; the probe's logprobs when cmd.probe)
 
-`receive_weights(cmd) -> [(name, tensor)]` is the transport, injected: train.py receives the
-trainer's torch.distributed broadcast, sim.py sleeps the modelled broadcast time, bench.py and the
-tests hand the tensors over directly. Everything else about a sync is here, the same in all of them.
-The weights arrive in host memory while the engine runs, so the engine is paused only for the load
-(the paper pauses for the whole broadcast); a transport that writes straight into the engine's
-memory must suspend first instead.
+update_weights has the engine's workers receive the trainer's broadcast straight into the model
+(weight_sync.py; the fake engine models its time): the rank orchestrates and never holds the
+weights, and the engine is paused for the transfer, as in the paper. An engine replaced after an
+engine failure holds none of the weights synced since the start: the rank acks REPLACED and keeps
+it suspended until the controller's next SYNC, which forms a new weight-sync group with it.
 
 A trajectory (run_trajectory):
 
@@ -271,7 +269,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
 
 
 class EnvManager:
-    def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig, receive_weights=None,
+    def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
                  probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None,
                  restart_engine=None, num_ranks: int | None = None):
         self.proxy = proxy
@@ -283,12 +281,11 @@ class EnvManager:
         # (LocalQueues and ManagerQueues both hold one command queue per rank). 1 = pull greedily.
         self.num_ranks = num_ranks if num_ranks is not None else len(getattr(buffer.t, "commands", [None]))
         self.group_taken_at: dict[str, float] = {}   # group_id -> loop time this rank last started one of its tasks
-        self.receive_weights = receive_weights  # async (Command) -> [(name, tensor)]: the transport; None: no tensors
         self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
         self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
         self.restart_engine = restart_engine    # async () -> a new engine backend; None: an engine failure ends run()
-        self.weights: list | None = None        # the last weights received (reloaded into a restarted engine)
+        self.synced = False                     # a sync loaded weights that the model dir does not have
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
         self.pool = RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s) if cfg.reward_workers > 0 else None
@@ -373,27 +370,40 @@ class EnvManager:
         return False
 
     async def _sync(self, cmd: Command):
-        """The rollout side of a weight update (module docstring); the controller waits for its ack."""
+        """The rollout side of a weight update (module docstring); the controller waits for its ack.
+        A failed broadcast: SYNCED says needs_weights, and the engine (a new one if it died, acked
+        REPLACED) waits suspended for the controller's next SYNC."""
         v, t0 = cmd.version, now()
-        self.weights = await self.receive_weights(cmd) if self.receive_weights is not None else []
-        t1 = now()
-        for attempt in (1, 2):
-            try:
-                await self.proxy.suspend(self.cfg.suspend_mode)
-                await self.proxy.update_weights(self.weights, v)
-                await self.proxy.resume()
-                t2 = now()
-                stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None   # (evaluation
-                         and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]      # is never trained)
-                await self._abort(stale, "aborted_stale")
-                probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
-                break
-            except EngineError as e:   # the engine died under the update: a new one, these weights, once more
-                if attempt == 2:
-                    raise
-                await self._recover(e, version=v)
+        first_rank = 1 + self.rank * (cmd.group.workers_per_engine if cmd.group else 1)
+        probe, t1 = None, t0
+        try:
+            await self.proxy.suspend(self.cfg.suspend_mode)
+            t1 = now()
+            await self.proxy.update_weights(cmd.meta or [], v, cmd.group, first_rank)
+            t2 = now()
+            await self.proxy.resume()
+            self.synced = True
+            stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None   # (evaluation
+                     and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]      # is never trained)
+            await self._abort(stale, "aborted_stale")
+            probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
+        except EngineError as e:
+            # The broadcast failed. If this engine died, a new one; if another member did (the group
+            # broke: every receive fails), this engine lives on. Either way it holds part of the
+            # weights at most: it stays suspended, and the controller syncs again over a new group.
+            self.synced = True     # (whatever it loaded, the model dir's weights are not version v)
+            t2 = now()
+            group_broke = "weight-sync" in str(e) and not getattr(self.proxy.engine, "dead", False)
+            if not group_broke:
+                await self._recover(e, report=False)
+            await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), needs_weights=True,
+                                          timings={"receive_s": t2 - t1, "load_s": now() - t0},
+                                          events=self.proxy.take_events()))
+            if not group_broke:
+                await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
+            return
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
-                                      timings={"receive_s": t1 - t0, "load_s": t2 - t1},
+                                      timings={"receive_s": t2 - t1, "load_s": now() - t0},
                                       events=self.proxy.take_events()))
 
     async def _pull_tasks(self):
@@ -460,10 +470,12 @@ class EnvManager:
             self.error = exc
         self.wake.set()
 
-    async def _recover(self, failure: EngineError, version: int | None = None):
+    async def _recover(self, failure: EngineError, report: bool = True):
         """The engine died or hung (failure): every trajectory in flight is lost. Report each lost
-        sample as given up (its group is lost; the controller re-admits the prompt), start a new
-        engine, load the last weights received, resume. With no restart_engine, the failure ends run()."""
+        sample as given up (its group is lost; the controller re-admits the prompt) and start a new
+        engine. Before the first sync the model dir's weights are the current ones: resume. After
+        it, the new engine waits suspended for weights: ack REPLACED (when `report`), and the
+        controller's next SYNC loads them. With no restart_engine, the failure ends run()."""
         if self.restart_engine is None:
             raise failure
         jobs = list(self.jobs.values())
@@ -481,9 +493,10 @@ class EnvManager:
         await self._flush()
         self.proxy.replace_engine(await self.restart_engine())
         self.counters["engine_restarts"] += 1
-        if self.weights is not None:    # else it started from the model dir: the weights it already had
-            await self.proxy.update_weights(self.weights, self.proxy.version if version is None else version)
-        await self.proxy.resume()
+        if not self.synced:
+            await self.proxy.resume()
+        elif report:
+            await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
 
     def _oldest_version(self, task_id: str) -> int:
         trajs = self.trajs.get(task_id, {})

@@ -1,7 +1,7 @@
 """fake_engine.py: FakeTimedEngine, a stand-in for vLLM for unit tests and the simulator only.
 
 It speaks the same six backend calls as proxy.VLLMEngine (stream, abort, pause, resume,
-load_weights, score), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
+receive_weights, score), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
 fast-forwarded event loop (looptime) an hour of decoding takes milliseconds of real time.
 
 Model of one vLLM engine with continuous batching and a paged KV cache (vLLM V1's scheduler, FCFS):
@@ -238,11 +238,12 @@ class FakeTimedEngine:
     async def wake(self):
         self.asleep = False
 
-    async def load_weights(self, buckets):
+    async def receive_weights(self, spec, first_rank: int, meta):
+        """The weight sync, modelled: load_s seconds (transfer + load); no group is joined, the
+        meta is kept for tests (the real engine: weight_sync.WeightSyncWorker)."""
         if self.asleep:
-            raise RuntimeError("fake engine: load_weights while asleep (vLLM needs wake_up first)")
-        for _ in buckets:                       # consume the (real) serialized buckets
-            pass
+            raise RuntimeError("fake engine: receive_weights while asleep (vLLM needs wake_up first)")
+        self.last_meta = meta
         await asyncio.sleep(self.load_s)
         self.num_loads += 1
 

@@ -7,7 +7,7 @@ change under running requests. Here:
     proxy = await LLMProxy.start_vllm(model_dir, rank=r)     # real vLLM AsyncLLM (engine-core subprocess)
     proxy = LLMProxy(FakeTimedEngine(...), rank=r)            # timed fake, for unit tests and sim.py
     c = await proxy.generate(prompt_ids, Sampling(max_tokens=16))   # -> Completion
-    await proxy.suspend("keep"); await proxy.update_weights(named_tensors, version=3); await proxy.resume()
+    await proxy.suspend("keep"); await proxy.update_weights(meta, 3, spec); await proxy.resume()   # weight_sync.py
 
 A Completion carries the token ids, the behaviour logprob of every token (what the engine sampled
 with) and the policy version of every token, so a sample that spans a weight update says so.
@@ -19,7 +19,7 @@ Suspend modes (the paper's two ways of updating weights under running requests):
            prompt + tokens so far with the remaining token budget, keeping the logprobs it already
            recorded (partial rollout).
 
-The proxy talks to an engine backend with six calls (stream, abort, pause, resume, load_weights,
+The proxy talks to an engine backend with six calls (stream, abort, pause, resume, receive_weights,
 score); VLLMEngine adapts AsyncLLM to it and FakeTimedEngine (fake_engine.py) imitates it in
 virtual time, so every rule here (versions, resubmission, counters, timeouts) is the same code in
 tests, in the simulator and on a GPU cluster.
@@ -28,8 +28,8 @@ Simplifications, on purpose:
 - A token's version is the proxy's version when the token's output reaches the proxy. The version
   changes only while the engine is paused, and vLLM's pause returns after the outputs of the step in
   flight have been emitted, so every token tagged v was sampled with weights v.
-- Weight buckets are staged in the engine worker and applied with one reload at the end, so a
-  partially loaded model never generates (costs one extra copy of the weights in host memory).
+- Weights go straight from trainer rank 0 into the engine's workers (weight_sync.py), bucket by
+  bucket, while the engine is suspended: a partially loaded model never generates.
 - "Utilisation" counts wall time in which the engine had at least one request and was not paused,
   as a fraction of time since start: the signal for load balancing and bubbles, not FLOP utilisation.
 """
@@ -100,37 +100,6 @@ class Completion:
 # real engine backend: vLLM AsyncLLM
 
 
-class WeightLoaderExtension:
-    """Mixed into vLLM's worker (worker_extension_cls="proxy.WeightLoaderExtension").
-
-    Buckets arrive as safetensors bytes (tensors given straight to collective_rpc arrive as nested
-    lists); they are staged, then applied in one in-place reload."""
-
-    def stage_weights(self, data: bytes) -> int:
-        from safetensors.torch import load
-
-        if not hasattr(self, "_staged"):
-            self._staged = {}
-        self._staged.update(load(data))
-        return len(self._staged)
-
-    def apply_staged_weights(self) -> int:
-        staged, self._staged = getattr(self, "_staged", {}), {}
-        self.model_runner.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
-        # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the
-        # head. On CPU vLLM keeps its own copy of the head (a prepacked GEMM made after loading),
-        # which then still holds the old embedding (verified). Copy and re-run the head's
-        # post-load step. On GPU the head shares the embedding's tensor and this is a cheap copy.
-        model = self.model_runner.get_model()
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-            head, emb = model.lm_head, model.model.embed_tokens.weight
-            if head.weight is not emb:
-                head.weight.data.copy_(emb.data)
-            if getattr(head, "quant_method", None) is not None:
-                head.quant_method.process_weights_after_loading(head)
-        return len(staged)
-
-
 class VLLMEngine:
     """The backend calls over a vLLM AsyncLLM engine (public API only)."""
 
@@ -150,7 +119,7 @@ class VLLMEngine:
         # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins.
         if cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
-        # the engine's worker process imports WeightLoaderExtension from this file by name
+        # the engine's worker process imports weight_sync.WeightSyncWorker by name, from this directory
         here = os.path.dirname(os.path.abspath(__file__))
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
@@ -167,7 +136,7 @@ class VLLMEngine:
         args = AsyncEngineArgs(
             model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
-            worker_extension_cls="proxy.WeightLoaderExtension", disable_log_stats=True,
+            worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
             **engine_kwargs)
         return cls(AsyncLLM.from_engine_args(args))
 
@@ -211,10 +180,11 @@ class VLLMEngine:
     async def wake(self):
         await self.llm.wake_up()
 
-    async def load_weights(self, buckets: Iterable[bytes]):
-        for data in buckets:
-            await self.llm.collective_rpc("stage_weights", args=(data,))
-        await self.llm.collective_rpc("apply_staged_weights")
+    async def receive_weights(self, spec, first_rank: int, meta):
+        """Every worker joins spec's weight-sync group and loads what its rank 0 broadcasts
+        (weight_sync.WeightSyncWorker); collective_rpc carries only the spec and the meta."""
+        from dataclasses import asdict
+        await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta))
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
@@ -235,31 +205,15 @@ class VLLMEngine:
             self.llm = None  # drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, noisily
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[bytes]:
-    """Group named tensors into safetensors blobs of about `bucket_bytes` each."""
-    from safetensors.torch import save
-
-    bucket, size = {}, 0
-    for name, t in named_tensors:
-        bucket[name] = t.detach().contiguous().cpu()
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield save(bucket)
-            bucket, size = {}, 0
-    if bucket:
-        yield save(bucket)
-
-
 # ---------------------------------------------------------------------------------------------
 # the proxy
 
 
 class LLMProxy:
-    def __init__(self, engine, rank: int = 0, timeout_s: float = 60.0, bucket_bytes: int = 64 << 20):
+    def __init__(self, engine, rank: int = 0, timeout_s: float = 60.0):
         self.engine = engine
         self.rank = rank
         self.timeout_s = timeout_s          # an engine silent this long while running = dead
-        self.bucket_bytes = bucket_bytes
         self.status = Status.RUNNING
         self.version = 0
         self.suspend_mode = "keep"
@@ -477,15 +431,17 @@ class LLMProxy:
             await self._call("wake", self.engine.wake(), timeout=max(self.timeout_s, 300))
             self.asleep = False
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
-        """Load new weights (HF names) into the engine; tokens sampled after resume carry `version`."""
+    async def update_weights(self, meta, version: int, spec=None, first_rank: int = 1):
+        """The engine's workers receive new weights (meta: weight_sync.Meta, HF names) over spec's
+        weight-sync group, as ranks first_rank.., from its rank 0, which sends at the same time;
+        tokens sampled after resume carry `version`. (spec None: the fake engine, which has no group.)"""
         if self.status != Status.SUSPENDED:
             raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
                                f"(call suspend first), status is {self.status.value}")
         await self._wake()
         wall0 = time.time()
-        await self._call("update_weights", self.engine.load_weights(pack_buckets(named_tensors, self.bucket_bytes)),
-                         timeout=max(self.timeout_s, 300))
+        timeout = max(self.timeout_s, 300) if spec is None else max(self.timeout_s, spec.timeout_s + 5)
+        await self._call("update_weights", self.engine.receive_weights(spec, first_rank, meta), timeout=timeout)
         self.version = version
         self._phase("load", wall0)
 

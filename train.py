@@ -8,14 +8,15 @@ Roles, from torchrun's environment alone: global ranks [0, train_gpus) are train
 are rollout ranks. Process groups:
     default group      all ranks (gloo): set-up and the queue server's key
     trainer group      trainer ranks: FSDP2 data parallel (NCCL on GPU, gloo on CPU)
-    weight-sync group  trainer rank 0 + every rollout rank: the weight broadcast
+    weight-sync group  trainer rank 0 + every engine's vLLM workers: the weight broadcast, straight
+                       into the engines (weight_sync.py; formed on the default group's store)
 Trainer rank 0 also runs the controller and serves the buffer's queues over TCP
 (MASTER_ADDR : MASTER_PORT + 1, with a random authkey shared through the default group).
 Each rollout rank runs one vLLM engine behind an LLMProxy and an EnvManager that pulls tasks.
 
 One step on the trainer side (rank 0 drives, the other trainer ranks follow):
-    collect a batch (controller)  ->  train_step (all trainer ranks)  ->  gather full weights
-    ->  suspend rollout, broadcast, resume (controller)  ->  metrics line + metrics.jsonl
+    collect a batch (controller)  ->  train_step (all trainer ranks)
+    ->  suspend rollout, gather + broadcast bucket by bucket, resume (controller)  ->  metrics line
 Rollout never waits for training, except during the weight sync and where the async ratio stops
 admission. --async-ratio 0 is the synchronous baseline in the same code.
 
@@ -202,7 +203,7 @@ class Config:
 
 class Groups(NamedTuple):
     trainer: object      # trainer ranks: FSDP2 (NCCL on GPU, gloo on CPU)
-    sync: object         # trainer rank 0 + every rollout rank: the weight broadcast
+    store: object        # the default group's TCPStore (MASTER_ADDR:MASTER_PORT): the weight-sync group meets on it
 
 
 def init_distributed(cfg: Config):
@@ -222,12 +223,12 @@ def init_distributed(cfg: Config):
                  "trainer trains on the same GPU, is CUDA-only")
     timeout = timedelta(seconds=cfg.timeout_s)
     long = timedelta(seconds=max(cfg.timeout_s, 1800))             # long: the first rank may build the model
-    dist.init_process_group("gloo", store=restart_store(rank, world, long), rank=rank, world_size=world, timeout=long)
+    store = restart_store(rank, world, long)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=long)
     backend = "nccl" if cuda else "gloo"
     trainer_group = dist.new_group(list(range(cfg.train_gpus)), timeout=timeout, backend=backend)
-    sync_group = dist.new_group([0] + list(range(cfg.train_gpus, world)), timeout=timeout, backend=backend)
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"    # explicit: worker threads default to cuda:0
-    return rank, world, device, Groups(trainer_group, sync_group)
+    return rank, world, device, Groups(trainer_group, store.underlying_store)
 
 
 def restart_store(rank: int, world: int, timeout: timedelta):
@@ -306,13 +307,20 @@ class TrainerRanks:
 
     def train(self, batch, advantages: list[float], version: int, probe: bool):
         """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
-        metrics, the full weights and, if `probe`, the trainer's probe logprobs under the new weights."""
+        metrics and, if `probe`, the trainer's probe logprobs under the new weights."""
         n = self.cfg.train_gpus
         return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)], "version": version,
                           "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
 
     def save(self, state: dict):
         self._run({"op": "save", "state": state})
+
+    def send_weights(self, sender, group, meta):
+        """The weights into every engine over `group` (weight_sync.GroupSpec): each trainer rank
+        gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket. Runs in the
+        controller's thread while rank 0's event loop waits."""
+        self.sender = sender
+        self._run({"op": "send", "group": group, "meta": meta})
 
     def probe(self) -> list[float]:
         """The trainer's logprobs of the probe sequence (a forward pass on every rank under FSDP)."""
@@ -348,8 +356,12 @@ class TrainerRanks:
         tr = self.trainer
         if op["op"] == "train":
             metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank], op["version"])
-            named = tr.full_state()                                    # collective under FSDP
-            return metrics, named, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
+            return metrics, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
+        if op["op"] == "send":                                         # gathers: collective under FSDP
+            if tr.rank == 0:
+                return self.sender.send(op["group"], tr.iter_full_state(), op["meta"])
+            for _ in tr.iter_full_state():
+                pass
         if op["op"] == "probe":
             return tr.probe_logprobs(self.probe_ids)
         if op["op"] == "save":
@@ -388,7 +400,8 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     from controller import AsyncController, problem_stream
     from envs import PromptFormat
     from losses import group_advantages
-    from trainer import Trainer, broadcast_weights, weight_meta
+    from trainer import Trainer
+    from weight_sync import Sender, weight_meta
     from transformers import AutoTokenizer
 
     trainer = Trainer(model_dir, cfg.train_config(), groups.trainer if cfg.train_gpus > 1 else None, device)
@@ -417,7 +430,14 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
         ctrl.readmit.extend(task.Problem(**p) for p in state.get("in_flight", []))
     log = RunLog(cfg, state["step"] if state else 0)
     ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
-    bucket_bytes = cfg.bucket_mb << 20
+    # the weight-sync group meets on the default group's store; engines receive in their own dtype
+    sender = Sender(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), store=groups.store,
+                    prefix=f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                    backend="nccl" if device.startswith("cuda") else "gloo", device=device,
+                    timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_mb << 20)
+    group = sender.spec(0, cfg.rollout_gpus)
+    meta = weight_meta(trainer.weight_names(), cfg.dtype)
+    send = functools.partial(ranks.send_weights, sender, meta=meta)
 
     def probe_due(version: int) -> bool:
         return cfg.check_sync_every > 0 and version % cfg.check_sync_every == 0
@@ -432,10 +452,9 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                 await ctrl.sleep_engines()                                     # their GPUs' memory, for training
             adv = group_advantages(torch.tensor([s.reward for s in batch]), cfg.group_size).tolist()
             t1 = time.monotonic()
-            metrics, named, probe_ref = ranks.train(batch, adv, ctrl.version, probe=probe_due(ctrl.version + 1))
+            metrics, probe_ref = ranks.train(batch, adv, ctrl.version, probe=probe_due(ctrl.version + 1))
             t2 = time.monotonic()
-            send = lambda: broadcast_weights(named, groups.sync, bucket_bytes, device, "trainer rank 0")
-            sync = await ctrl.sync_weights(ctrl.version + 1, send, weight_meta(named), probe_ref)   # postprocess
+            sync = await ctrl.sync_weights(ctrl.version + 1, send, meta, probe_ref, group)   # postprocess
             evaluation = ctrl.eval_result()                                   # a round that finished meanwhile
             final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
             if eval_set and final:                                            # the final weights, always
@@ -496,7 +515,6 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     from env_manager import EnvManager
     from proxy import LLMProxy, Sampling, VLLMEngine
     from timeline import RankEvents
-    from trainer import receive_weights
     from transformers import AutoTokenizer
 
     index = rank - cfg.train_gpus                      # rollout rank index: its command queue
@@ -507,13 +525,6 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
     buffer = SampleBuffer(ManagerQueues.connect(host, port, key, cfg.rollout_gpus, cfg.timeout_s), who, cfg.timeout_s)
 
     events = RankEvents(index) if cfg.max_events > 0 else None     # the timeline, sent to rank 0 in the acks
-
-    async def receive(cmd):   # the weight transport: trainer rank 0's broadcast over the sync group
-        t = time.time()
-        named = await asyncio.to_thread(receive_weights, cmd.meta, groups.sync, cfg.bucket_mb << 20, device, who)
-        if events is not None:
-            events.phase("receive", t, time.time(), cmd.version)
-        return named
 
     if device.startswith("cuda"):     # GPU: the engine's processes see only this rank's GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
@@ -543,7 +554,7 @@ def run_rollout(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
             if events is not None:
                 events.phase("engine_start", t, time.time(), proxy.version)
                 proxy.events = events
-            await EnvManager(proxy, buffer, tokenizer, index, cfg.rollout_config(), receive_weights=receive,
+            await EnvManager(proxy, buffer, tokenizer, index, cfg.rollout_config(),
                              probe_ids=probe, env_wrappers=injected_faults(cfg, index),
                              restart_engine=restart_engine).run()
         finally:

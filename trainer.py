@@ -270,17 +270,21 @@ class Trainer:
         return token_logprobs(self.model, ids, torch.ones_like(ids))[0, 1:].tolist()
 
     # --- weights out
+    def weight_names(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of what the engines load, without gathering (a sharded DTensor knows its
+        full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it."""
+        return [(n, v) for n, v in self.model.state_dict().items() if not (self.tied and n == "lm_head.weight")]
+
+    def iter_full_state(self):
+        """(HF name, full tensor on this rank's device), one weight at a time: under FSDP each is one
+        all-gather, so the extra memory is one weight, not the model. Collective: every trainer rank
+        iterates it to the end, in the same order."""
+        for name, v in self.weight_names():
+            yield name, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+
     def full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights under their HF names, on CPU. Collective under FSDP.
-        A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it."""
-        out = []
-        for name, v in self.model.state_dict().items():
-            if self.tied and name == "lm_head.weight":
-                continue
-            if hasattr(v, "full_tensor"):
-                v = v.full_tensor()
-            out.append((name, v.detach().to("cpu")))
-        return out
+        """Full (unsharded) weights under their HF names, on CPU (checkpoints). Collective under FSDP."""
+        return [(n, t.to("cpu")) for n, t in self.iter_full_state()]
 
     # --- checkpoints
     def save_checkpoint(self, out_dir: str, state: dict, tokenizer_dir: str):
@@ -358,58 +362,3 @@ def read_checkpoint_state(out_dir: str) -> dict | None:
     """The latest complete checkpoint's state.json, or None when out_dir holds none."""
     path = Path(out_dir) / "checkpoint" / "state.json"
     return json.loads(path.read_text()) if path.exists() else None
-
-
-# ---------------------------------------------------------------------------------------------
-# weight broadcast: trainer rank 0 -> rollout ranks, in buckets
-
-
-def weight_meta(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int], str]]:
-    return [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named]
-
-
-def plan_buckets(meta, bucket_bytes: int) -> list[list[int]]:
-    """Indices of `meta` grouped into buckets of one dtype and about bucket_bytes each."""
-    buckets, cur, size, cur_dtype = [], [], 0, None
-    for i, (_, shape, dtype) in enumerate(meta):
-        nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-        if cur and (size + nbytes > bucket_bytes or dtype != cur_dtype):
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += nbytes
-        cur_dtype = dtype
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def broadcast_weights(named, group, bucket_bytes: int, device, who: str):
-    """Sender side (trainer rank 0 = global rank 0). Collective over `group`."""
-    meta = weight_meta(named)
-    for b, idx in enumerate(plan_buckets(meta, bucket_bytes)):
-        flat = torch.cat([named[i][1].reshape(-1) for i in idx]).to(device)
-        _broadcast(flat, group, who, f"weight broadcast bucket {b}")
-
-
-def receive_weights(meta, group, bucket_bytes: int, device, who: str) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side (rollout ranks). Returns HF-named CPU tensors. Runs in a worker thread: the
-    current CUDA device is per thread, so it is set here (else every rank would receive on cuda:0)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.set_device(torch.device(device))
-    out = []
-    for b, idx in enumerate(plan_buckets(meta, bucket_bytes)):
-        sizes = [torch.Size(meta[i][1]).numel() for i in idx]
-        flat = torch.empty(sum(sizes), dtype=getattr(torch, meta[idx[0]][2]), device=device)
-        _broadcast(flat, group, who, f"weight broadcast bucket {b}")
-        for i, chunk in zip(idx, torch.split(flat.cpu(), sizes)):
-            out.append((meta[i][0], chunk.view(meta[i][1])))
-    return out
-
-
-def _broadcast(t: torch.Tensor, group, who: str, phase: str):
-    try:
-        dist.broadcast(t, src=0, group=group)  # src is a global rank: trainer rank 0
-    except RuntimeError as e:  # gloo/NCCL timeouts surface as RuntimeError
-        raise RuntimeError(f"{who}: {phase} failed or timed out: {e}") from None
-

@@ -9,6 +9,7 @@ import torch
 
 from proxy import LLMProxy, Sampling
 from trainer import token_logprobs
+from weight_sync import Sender, push
 
 pytestmark = pytest.mark.engine
 TOL = 1e-4
@@ -26,9 +27,14 @@ def perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep"):
+SENDERS: dict[int, Sender] = {}      # one weight-sync group per engine, as a run has
+
+
+async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep", bucket_bytes: int = 64 << 20):
+    """This process as trainer rank 0: broadcast `weights` straight into the engine's worker."""
+    sender = SENDERS.setdefault(id(proxy), Sender(timeout_s=60, bucket_bytes=bucket_bytes))
     await proxy.suspend(mode)
-    await proxy.update_weights(weights.items(), version)
+    await push([proxy], sender, weights.items(), version)
     await proxy.resume()
 
 
@@ -141,3 +147,54 @@ def test_probe_logprobs_follow_weight_updates(vllm_proxy, hf):
     assert max(abs(a - b) for a, b in zip(before, ref_old)) < TOL
     assert max(abs(a - b) for a, b in zip(after, ref_new)) < TOL
     assert max(abs(a - b) for a, b in zip(ref_old, ref_new)) > 1e-2   # the update really changed them
+
+
+def check_updates_land(lt, proxy, model, tok, tied: bool):
+    """Three updates in several buckets each; after each the engine's logprobs of a probe are the
+    reference model's under the same weights (parameters cannot be compared: on CPU vLLM prepacks
+    linear layers, whose .weight then reads as zeros)."""
+    assert model.config.tie_word_embeddings == tied
+    probe = tok.encode("123+456=579")
+    v0 = proxy.version
+    ref_model = type(model)(model.config).eval()
+    for k in range(1, 4):
+        new = perturbed(model, seed=10 + k, scale=0.1)
+        if tied:
+            new.pop("lm_head.weight", None)       # HF checkpoints of tied models carry no head: the engine re-ties it
+        lt.run(update(proxy, new, v0 + k, bucket_bytes=1 << 18))
+        ref_model.load_state_dict(new, strict=False)
+        if tied:
+            ref_model.tie_weights()
+        got, ref = lt.run(proxy.score(probe)), ref_logprobs(ref_model, probe[:1], probe[1:])
+        assert max(abs(a - b) for a, b in zip(got, ref)) < TOL, k
+        assert proxy.version == v0 + k
+    lt.run(update(proxy, dict(model.named_parameters()), v0 + 4))    # restore for later tests
+
+
+def test_several_updates_land_exactly_tied_embeddings(vllm_proxy, hf):
+    lt, proxy = vllm_proxy
+    check_updates_land(lt, proxy, *hf, tied=True)
+
+
+def test_several_updates_land_exactly_untied_embeddings(tiny_model_dir, tmp_path):
+    """The tiny model with its own lm_head (untied): the head travels as a weight of its own."""
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    from conftest import LoopThread
+    tied = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = tied.config
+    cfg.tie_word_embeddings = False
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.load_state_dict(tied.state_dict(), strict=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(tied.model.embed_tokens.weight + 0.01)   # a head of its own
+    model.save_pretrained(tmp_path)
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    tok.save_pretrained(tmp_path)
+    lt = LoopThread()
+    proxy = lt.run(LLMProxy.start_vllm(str(tmp_path), rank=0, timeout_s=120))
+    try:
+        check_updates_land(lt, proxy, model, tok, tied=False)
+    finally:
+        proxy.shutdown()
+        lt.close()

@@ -30,12 +30,10 @@ def tok():
     return build_tokenizer()
 
 
-def make_manager(buf, tok, rank=0, cfg=None, receive_weights=None, env_wrappers=None, probe_ids=None,
-                 **engine_kwargs):
+def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, **engine_kwargs):
     engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
     proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
-    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), receive_weights=receive_weights,
-                      env_wrappers=env_wrappers, probe_ids=probe_ids)
+    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), env_wrappers=env_wrappers, probe_ids=probe_ids)
 
 
 def add_task(task_id, group_id="g", target_len=0, num_samples=1, env="", prompt="1+1=", answer="2"):
@@ -329,13 +327,7 @@ async def acks_until(buf, phase, version=None, timeout=100):
 def test_sync_aborts_stale_work_and_acks(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        received = []
-
-        async def receive_weights(cmd):    # the transport (train.py: the torch.distributed broadcast)
-            received.append(cmd.version)
-            return []
-        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000),
-                         receive_weights=receive_weights)
+        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000))
         run = asyncio.create_task(m.run())
         await buf.put_task(add_task("old", "g0", target_len=1000))
         await asyncio.sleep(10 * STEP)
@@ -353,33 +345,31 @@ def test_sync_aborts_stale_work_and_acks(tok):
         [(_, new)] = await collect(buf, 1)
         [stats] = await stop_all(buf, [m], [run])
         assert buf.get_sample_nowait() is None                            # "old" never sent anything
-        return received, new, stats
-    received, new, stats = run_virtual(main())
-    assert received == [1, 2]
+        return m.proxy.engine.num_loads, new, stats
+    loads, new, stats = run_virtual(main())
+    assert loads == 2
     assert new.task_id == "new" and new.versions[0] == 1 and new.versions[-1] == 2
     assert stats["proxy"]["version"] == 2 and stats["samples_sent"] == 1
 
 
 def test_one_weight_update_ack_sequence_and_payloads(tok):
     """One SYNC through the real EnvManager on the fake engine: the acks are READY then SYNCED, each
-    carrying what controller.py's table says. The engine keeps generating while the transport
-    delivers the weights, then loads exactly what it returned, and is running again at SYNCED."""
-    import torch
-    weights = [("w", torch.ones(3))]
-
+    carrying what controller.py's table says. The engine is suspended for the whole transfer (its
+    workers receive straight into the model: nothing is generated meanwhile, the request in flight
+    is kept), gets the command's meta and group rank, and is running again at SYNCED."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         seen = {}
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), probe_ids=[3, 4, 5, 6], load_s=2.0)
+        receive = m.proxy.engine.receive_weights
 
-        async def receive_weights(cmd):
+        async def watched(spec, first_rank, meta):      # the transfer + load: 2 s = 20 decode steps
             tokens = m.proxy.num_tokens
-            await asyncio.sleep(2.0)                                   # a slow broadcast: 20 decode steps
-            if cmd.version == 1:
-                seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=cmd.meta,
+            await receive(spec, first_rank, meta)
+            if meta:
+                seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=meta, first_rank=first_rank,
                             tokens_during=m.proxy.num_tokens - tokens, acks_sent=len(acks) + buf.t.qsize("acks"))
-            return weights
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
-                         probe_ids=[3, 4, 5, 6], load_s=0.5)
+        m.proxy.engine.receive_weights = watched
         run = asyncio.create_task(m.run())
         await buf.put_task(add_task("busy", "g0", target_len=500))     # work in flight across the update
         acks = [await buf.get_ack("ready", timeout=10)]
@@ -397,14 +387,14 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
     ready, synced = acks
     assert (ready.rank, ready.phase, ready.version) == (0, Phase.READY, None)
     assert ready.probe == [-1.0] * 3 and ready.engine["version"] == 0     # the initial weights, scored
-    # during the transport: still running, nothing loaded yet, READY the only ack sent, tokens flowing
-    assert abs(seen.pop("tokens_during") - 20) <= 1       # 2 s of 0.1 s decode steps, give or take the boundary
-    assert seen == {"status": Status.RUNNING, "loads": 0, "meta": [("w", [3], "float32")], "acks_sent": 1}
-    assert (synced.rank, synced.phase, synced.version) == (0, Phase.SYNCED, 1)
+    # during the transfer: suspended, no token generated, READY the only ack sent
+    assert seen == {"status": Status.SUSPENDED, "loads": 1, "meta": [("w", [3], "float32")], "first_rank": 1,
+                    "tokens_during": 0, "acks_sent": 1}
+    assert (synced.rank, synced.phase, synced.version) == (0, Phase.SYNCED, 1) and not synced.needs_weights
     assert synced.engine["version"] == 1 and synced.engine["in_flight"] == 1 and synced.engine["busy_s"] > 0
     assert synced.probe == [-1.0 / 2] * 3          # the fake engine's logprob after one load, per probe token
-    assert synced.timings["receive_s"] == pytest.approx(2.0, abs=0.01) and synced.timings["load_s"] >= 0.5
-    assert elapsed >= 2.0 + 0.5                     # the transport, then the load, before SYNCED
+    assert synced.timings["receive_s"] == pytest.approx(2.0, abs=0.01) and synced.timings["load_s"] >= 2.0
+    assert elapsed >= 2.0
     assert after == (Status.RUNNING, 1, 1, 1)       # resumed, loaded once, the request survived (keep mode)
     assert no_probe.probe is None and no_probe.version == 2
 
@@ -603,20 +593,14 @@ def with_engine_restarts(m) -> list:
     return fresh
 
 
-def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(tok):
+def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_counted_lost(tok):
     """The engine stops answering with work in flight: the proxy's watchdog notices within its
     timeout, every in-flight sample is reported as given up (lost to the engine), a new engine is
-    started and loaded with the last weights received (at their version), and rollout goes on."""
-    import torch
-    weights = [("w", torch.ones(2))]
-
+    started. It holds the model dir's weights, not the synced ones: the rank acks REPLACED and keeps
+    it suspended until the next SYNC (the controller's resync), then serves new work at that version."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-
-        async def receive_weights(cmd):
-            return weights
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
-                         length_sampler=lambda rng: 5)
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
         run = asyncio.create_task(m.run())
         await buf.send_command(0, Command(Cmd.SYNC, 3))
@@ -629,32 +613,34 @@ def test_a_wedged_engine_is_replaced_and_reloaded_and_its_samples_counted_lost(t
         t0 = now()
         lost = [s for _, s in await collect(buf, 4, timeout=200)]
         detected = now() - t0
+        replaced = (await acks_until(buf, Phase.REPLACED, 3))[-1]
         await buf.put_task(add_task("after", "g9"))
+        await asyncio.sleep(20 * STEP)
+        waiting = (m.proxy.status, fresh_engines[0].num_loads, buf.get_sample_nowait())
+        await buf.send_command(0, Command(Cmd.SYNC, 3))   # the controller's resync: same version, new group
+        await acks_until(buf, Phase.SYNCED, 3)
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
-        return lost, detected, after, stats, fresh_engines, old
-    lost, detected, after, stats, fresh, old = run_virtual(main())
+        return lost, detected, replaced, waiting, after, stats, fresh_engines
+    lost, detected, replaced, waiting, after, stats, fresh = run_virtual(main())
     assert sorted(s.task_id for s in lost) == ["t0", "t1", "t2", "t3"]
     assert all(s.failed and s.meta["engine_lost"] and not s.meta["retrying"] for s in lost)
     assert detected <= 30.0 + 30.0 / 8 + 1                # within the proxy's timeout (+ one watchdog period)
-    assert len(fresh) == 1 and fresh[0].num_loads == 1     # the new engine got the last weights ...
-    assert not after.failed and set(after.versions) == {3}  # ... at their version, and serves new work
+    assert (replaced.rank, replaced.version) == (0, 3)
+    assert waiting == (Status.SUSPENDED, 0, None)          # nothing generated with the model dir's weights
+    assert len(fresh) == 1 and fresh[0].num_loads == 1     # the new engine got the resync ...
+    assert not after.failed and set(after.versions) == {3}  # ... at its version, and serves new work
     assert (stats["engine_restarts"], stats["samples_lost_to_engine"]) == (1, 4)
 
 
-def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_sync_completes(tok):
+def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_resync_completes(tok):
     """The engine dies after the load, while the rank scores the probe for the SYNCED ack (seen
-    under torchrun with a SIGKILLed engine worker): the rank starts a new engine with the weights it
-    just received, runs the sync's steps again, and acks SYNCED with the probe; the run goes on."""
-    import torch
-
+    under torchrun with a SIGKILLed engine worker): the rank starts a new engine, acks SYNCED with
+    needs_weights and then REPLACED; the controller's next SYNC loads the new engine, with the probe."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-
-        async def receive_weights(cmd):
-            return [("w", torch.ones(2))]
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), receive_weights=receive_weights,
-                         probe_ids=[1, 2, 3], length_sampler=lambda rng: 5)
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), probe_ids=[1, 2, 3],
+                         length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
 
         async def dead_score(token_ids):
@@ -663,12 +649,124 @@ def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_sync_completes(to
         await acks_until(buf, Phase.READY)
         m.proxy.engine.score = dead_score
         await buf.send_command(0, Command(Cmd.SYNC, 4, probe=True))
+        failed = (await acks_until(buf, Phase.SYNCED, 4))[-1]
+        replaced = (await acks_until(buf, Phase.REPLACED, 4))[-1]
+        await buf.send_command(0, Command(Cmd.SYNC, 4, probe=True))
         synced = (await acks_until(buf, Phase.SYNCED, 4))[-1]
         await buf.put_task(add_task("after", "g9"))
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
-        return synced, after, stats, fresh_engines
-    synced, after, stats, fresh = run_virtual(main())
-    assert synced.probe is not None and len(synced.probe) == 2
-    assert stats["engine_restarts"] == 1 and len(fresh) == 1 and fresh[0].num_loads >= 1
+        return failed, replaced, synced, after, stats, fresh_engines
+    failed, replaced, synced, after, stats, fresh = run_virtual(main())
+    assert failed.needs_weights and failed.probe is None and replaced.rank == 0
+    assert not synced.needs_weights and synced.probe is not None and len(synced.probe) == 2
+    assert stats["engine_restarts"] == 1 and len(fresh) == 1 and fresh[0].num_loads == 1
     assert not after.failed and set(after.versions) == {4}
+
+
+def test_a_broken_group_keeps_the_engine_suspended_until_the_next_sync(tok):
+    """Another member died mid-broadcast: this engine's receive fails too (gloo closes the group),
+    but the engine lives. It is not replaced: SYNCED says needs_weights, no REPLACED, and it waits
+    suspended for the next SYNC."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5)
+        fresh_engines = with_engine_restarts(m)
+        receive, calls = m.proxy.engine.receive_weights, []
+
+        async def breaks_once(spec, first_rank, meta):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("engine worker (weight-sync rank 1, gen 0): weight broadcast bucket 0 failed")
+            await receive(spec, first_rank, meta)
+        m.proxy.engine.receive_weights = breaks_once
+        run = asyncio.create_task(m.run())
+        await acks_until(buf, Phase.READY)
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        failed = (await acks_until(buf, Phase.SYNCED, 1))[-1]
+        waiting = m.proxy.status
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        synced = (await acks_until(buf, Phase.SYNCED, 1))[-1]
+        [stats] = await stop_all(buf, [m], [run])
+        return failed, waiting, synced, stats, fresh_engines
+    failed, waiting, synced, stats, fresh = run_virtual(main())
+    assert failed.needs_weights and waiting == Status.SUSPENDED and not synced.needs_weights
+    assert stats["engine_restarts"] == 0 and fresh == [] and stats["proxy"]["version"] == 1
+
+
+# --- the controller and the rollout ranks: syncing replaced engines again, over a new group
+
+
+def controller_with_ranks(tok, num_ranks=2, **engine_kwargs):
+    from controller import AsyncController, ControllerConfig
+    buf = SampleBuffer(LocalQueues(num_ranks), "test")
+    problems = (Problem("1+1=", "2", target_len=5) for _ in itertools.count())
+    ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, filter_groups=False, async_ratio=1,
+                                            timeout_s=600), buf, problems, num_ranks)
+    managers = [make_manager(buf, tok, rank=r, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5,
+                             **engine_kwargs) for r in range(num_ranks)]
+    return buf, ctrl, managers
+
+
+def group_spec():
+    from weight_sync import GroupSpec
+    return GroupSpec("127.0.0.1", 1, "test", 0, 3)    # the fake engines join no group: only gen matters
+
+
+def test_the_controller_syncs_a_replaced_engine_again_over_a_new_group_while_collecting(tok):
+    async def main():
+        buf, ctrl, managers = controller_with_ranks(tok)
+        fresh = with_engine_restarts(managers[1])
+        runs = [asyncio.create_task(m.run()) for m in managers]
+        await ctrl.wait_ready()
+        sent = []
+        await ctrl.sync_weights(1, sent.append, meta=[("w", [2], "float32")], group=group_spec())
+        await ctrl.finish_sync()
+        managers[1].proxy.engine.hang = True              # rank 1's engine wedges, with or without work
+        await buf.put_task(add_task("x", "gx", target_len=1000))
+        batch, info = await ctrl.collect()                # rank 1 is replaced meanwhile; rank 0 alone cannot end it...
+        loads = [m.proxy.engine.num_loads for m in managers]
+        stats = await ctrl.stop()
+        await asyncio.gather(*runs)
+        return sent, ctrl, batch, loads, fresh, stats
+    sent, ctrl, batch, loads, fresh, stats = run_virtual(main())
+    assert [g.gen for g in sent] == [0, 1] and ctrl.gen == 1 and ctrl.resyncs == 1
+    assert len(fresh) == 1 and loads == [2, 1]             # every engine loads the resync (rank 0: again)
+    assert len(batch) == 2 and {v for s in batch for v in s.versions} == {1}
+    assert stats[1]["engine_restarts"] == 1
+
+
+def test_a_broadcast_that_fails_is_sent_again_over_a_new_group(tok):
+    """An engine died mid-broadcast: the trainer's send fails and every rank's receive fails with
+    it. The ranks ack needs_weights; the controller sends again over generation 1; the sync completes."""
+    async def main():
+        buf, ctrl, managers = controller_with_ranks(tok)
+        runs = [asyncio.create_task(m.run()) for m in managers]
+        await ctrl.wait_ready()
+        for m in managers:
+            receive, calls = m.proxy.engine.receive_weights, []
+
+            async def breaks_once(spec, first_rank, meta, receive=receive, calls=calls):
+                calls.append(spec.gen)
+                if len(calls) == 1:
+                    raise RuntimeError(f"engine worker (weight-sync rank {first_rank}, gen 0): weight broadcast "
+                                       f"bucket 0 failed: Connection closed by peer")
+                await receive(spec, first_rank, meta)
+            m.proxy.engine.receive_weights = breaks_once
+        sent = []
+
+        def send(group):
+            sent.append(group.gen)
+            if len(sent) == 1:
+                raise RuntimeError("trainer rank 0: weight broadcast bucket 0 (gen 0) failed")
+        await ctrl.sync_weights(1, send, meta=[("w", [2], "float32")], group=group_spec())
+        report = await ctrl.sync_weights(2, send, meta=[("w", [2], "float32")], group=group_spec())
+        await ctrl.finish_sync()
+        state = [(m.proxy.status, m.proxy.version, m.proxy.engine.num_loads) for m in managers]
+        await ctrl.stop()
+        await asyncio.gather(*runs)
+        return sent, ctrl, report, state
+    sent, ctrl, report, state = run_virtual(main())
+    assert sent == [0, 1, 1] and ctrl.gen == 1 and ctrl.resyncs == 1
+    assert report["synced_version"] == 1
+    assert state == [(Status.RUNNING, 2, 2)] * 2

@@ -45,16 +45,10 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
     """--colocate's control flow on the fake engine: after collect, SLEEP ends the work and puts the
     engine to sleep (ack SLEPT); the SYNC that follows the training step wakes it before the load
     (the fake engine, like vLLM, refuses a load while asleep), then rollout goes on."""
-    import torch as t
-
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         proxy = LLMProxy(FakeTimedEngine(t0=0.1, k=0.0, length_sampler=lambda rng: 5), rank=0, timeout_s=30)
-
-        async def receive_weights(cmd):
-            return [("w", t.ones(1))]
-        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(async_ratio=0, max_total_tokens=2000),
-                       receive_weights=receive_weights)
+        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(async_ratio=0, max_total_tokens=2000))
         ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0, filter_groups=False),
                                buf, iter(lambda: Problem("1+1=", "2"), None), 1)
         run = asyncio.create_task(m.run())
@@ -64,7 +58,7 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
             batch, _ = await ctrl.collect()
             await ctrl.sleep_engines()
             seen.append((proxy.asleep, proxy.engine.asleep, proxy.status, len(batch)))
-            await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+            await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda group: None)
         await ctrl.finish_sync()
         after = (proxy.asleep, proxy.status, proxy.engine.num_loads, proxy.version)
         await ctrl.stop()

@@ -33,6 +33,7 @@ def test_prefix_cache_never_serves_old_weights_after_an_update(chat_model):
 
     from envs import PromptFormat
     from proxy import LLMProxy, Sampling
+    from weight_sync import Sender, push
     tok = AutoTokenizer.from_pretrained(chat_model["dir"])
     rows = [json.loads(x) for x in chat_model["data"].read_text().splitlines()]
     prompt, other = (PromptFormat(tok).first(r["question"]) for r in rows[:2])
@@ -53,7 +54,7 @@ def test_prefix_cache_never_serves_old_weights_after_an_update(chat_model):
                 assert not hold.done(), hold
                 await asyncio.sleep(0.005)
             await proxy.suspend("keep")
-            await proxy.update_weights(new, 1)
+            await push([proxy], Sender(timeout_s=60), new, 1)     # this process as trainer rank 0
             await proxy.resume()
             after = await proxy.generate(prompt, Sampling(max_tokens=4))
             held = await hold

@@ -1,4 +1,4 @@
-"""trainer.py on CPU: logprob alignment, a learning step, FSDP2 over gloo, bucketed broadcast, checkpoints."""
+"""trainer.py on CPU: logprob alignment, a learning step, FSDP2 over gloo, checkpoints (the weight broadcast: test_weight_sync.py)."""
 
 import json
 import math
@@ -11,8 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from buffer import Sample
-from trainer import (TrainConfig, Trainer, broadcast_weights, collate, plan_buckets, receive_weights,
-                     token_logprobs, weight_meta)
+from trainer import TrainConfig, Trainer, collate, token_logprobs
 
 
 def make_samples(model_dir, n=4, resp_len=5, seed=0):
@@ -87,31 +86,6 @@ def test_fsdp2_two_ranks_matches_single_process(tiny_model_dir, tmp_path):
     got = torch.load(out)
     assert set(got) == set(ref)
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
-
-
-def _broadcast_worker(rank, world, port, named, bucket_bytes, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    if rank == 0:
-        broadcast_weights(named, dist.group.WORLD, bucket_bytes, "cpu", "trainer rank 0")
-    else:
-        got = receive_weights(weight_meta(named), dist.group.WORLD, bucket_bytes, "cpu", f"rollout rank {rank}")
-        torch.save(got, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def test_bucketed_broadcast_delivers_named_weights(tmp_path):
-    named = [("a.weight", torch.randn(100, 10)), ("a.bias", torch.randn(10)), ("b.weight", torch.randn(64, 64)),
-             ("steps", torch.arange(7)), ("c.weight", torch.randn(3, 3))]
-    bucket_bytes = 4096
-    plan = plan_buckets(weight_meta(named), bucket_bytes)
-    assert len(plan) >= 3 and sorted(i for b in plan for i in b) == list(range(len(named)))
-    mp.spawn(_broadcast_worker, args=(3, free_port(), named, bucket_bytes, str(tmp_path / "w")), nprocs=3)
-    for r in (1, 2):
-        got = torch.load(tmp_path / f"w.{r}")
-        assert [n for n, _ in got] == [n for n, _ in named]
-        for (_, a), (_, b) in zip(got, named):
-            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_checkpoint_is_a_loadable_hf_dir_and_restores_optimizer(tiny_model_dir, tmp_path):

@@ -1,0 +1,220 @@
+"""weight_sync.py: the weights, from trainer rank 0 straight into every vLLM worker.
+
+One process group: rank 0 is the sender (trainer rank 0; in a benchmark or test that holds the
+trainer and the engines in one process, that process), ranks 1.. are the model workers of every
+engine (engine e's worker w is rank 1 + e * workers_per_engine + w). It is built with vLLM's
+stateless process-group helpers on a key-value store the run already has (train.py: the default
+group's store, at MASTER_ADDR:MASTER_PORT), so it lives beside torch.distributed's default group
+without touching it. gloo on CPU, NCCL on GPU: the same code, the backend's name apart.
+
+A sync, on each side (the rollout rank orchestrates; it never holds the weights):
+
+    rollout rank    suspend -> collective_rpc("receive_weights", spec, meta) -> resume
+    trainer rank 0  for each bucket: gather its tensors (FSDP2: one parameter at a time) -> one
+                    flat tensor -> broadcast                                       (Sender.send)
+    vLLM worker     for each bucket: receive into a flat buffer on its own device -> views ->
+                    the model's own load_weights, through reload_weights      (WeightSyncWorker)
+
+The bucket plan (plan_buckets over weight_meta) is computed alike on both sides from the meta the
+SYNC command carries: names, shapes and dtypes, never tensors. collective_rpc carries only that
+and the group's address.
+
+Generations: a worker joins the group on its engine's first sync. A replaced engine's workers
+cannot enter a group whose members are fixed, so after a replacement every member forms a new
+one (GroupSpec.gen + 1, keys under a new prefix; controller.py decides when).
+
+Deliberate simplifications:
+- The group is formed at the first sync, not at engine start: the sender is busy training then,
+  and joining is part of the first receive. On NCCL that puts the communicator's start-up (a
+  second or two) into the first sync.
+- Weights travel in the engine's dtype (meta's), cast by the sender bucket by bucket.
+- vLLM's own weight_transfer package (NCCL engine, packed buffers) is CUDA-only (PyNccl); this
+  module's point is that the CPU path is the same code as the GPU one. See README.
+"""
+
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+
+Meta = list[tuple[str, list[int], str]]     # (name, shape, dtype) per tensor, in send order
+
+
+def weight_meta(named, dtype: str | None = None) -> Meta:
+    """(name, shape, dtype) of (name, tensor) pairs; dtype: the one they travel in (default: their own)."""
+    return [(n, list(t.shape), dtype or str(t.dtype).removeprefix("torch.")) for n, t in named]
+
+
+def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
+    """Indices of `meta` grouped into buckets of one dtype and about bucket_bytes each."""
+    buckets, cur, size, cur_dtype = [], [], 0, None
+    for i, (_, shape, dtype) in enumerate(meta):
+        nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        if cur and (size + nbytes > bucket_bytes or dtype != cur_dtype):
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nbytes
+        cur_dtype = dtype
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def meta_bytes(meta: Meta) -> int:
+    return sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, shape, dtype in meta)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the members of one generation of the weight-sync group meet (picklable: it
+    rides on the SYNC command and on collective_rpc)."""
+    host: str                 # the key-value store's address (a TCPStore)
+    port: int
+    prefix: str               # this run's keys in that store
+    gen: int                  # generation: a new group after an engine is replaced
+    world_size: int           # 1 sender + every worker of every engine
+    workers_per_engine: int = 1   # engine e's workers are ranks 1 + e * workers_per_engine ...
+    backend: str = "gloo"     # "gloo" (CPU) | "nccl" (GPU)
+    timeout_s: float = 600.0  # every collective of the group, and joining it
+    bucket_bytes: int = 64 << 20
+
+    def with_gen(self, gen: int) -> "GroupSpec":
+        return GroupSpec(**{**asdict(self), "gen": gen})
+
+
+def open_group(spec: GroupSpec, rank: int, store=None):
+    """Join generation spec.gen as `rank`; a member that has no store connects to spec's. vLLM's
+    stateless helpers make the group: nothing global in torch.distributed changes."""
+    from torch.distributed import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
+    prefixed = PrefixStore(f"{spec.prefix}/weight-sync/gen{spec.gen}", store)
+    if spec.backend == "gloo":
+        return init_gloo_process_group(prefixed, rank, spec.world_size, timeout)
+    from vllm.platforms import current_platform
+    return current_platform.stateless_init_device_torch_dist_pg(spec.backend, prefixed, rank, spec.world_size,
+                                                                timeout)
+
+
+def broadcast(pg, t: torch.Tensor, who: str, phase: str):
+    """One broadcast from group rank 0, bounded by the group's timeout; a failure names who and what."""
+    try:
+        pg.broadcast(t, 0).wait()
+    except RuntimeError as e:     # gloo/NCCL timeouts and dead peers surface as RuntimeError
+        raise RuntimeError(f"{who}: {phase} failed or timed out: {e}") from None
+
+
+class Sender:
+    """Group rank 0. `store`: a TCPStore every member can reach at (host, port); None: host one
+    here on a free port (one process holding trainer and engines: benchmarks, tests)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, store=None, prefix: str = "run",
+                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0, bucket_bytes: int = 64 << 20):
+        if store is None:
+            from torch.distributed import TCPStore
+            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+            port = store.port
+        self.store, self.device = store, device
+        self.spec0 = GroupSpec(host, port, prefix, 0, 1, 1, backend, timeout_s, bucket_bytes)
+        self.pg, self.gen = None, None
+
+    def spec(self, gen: int, num_engines: int, workers_per_engine: int = 1) -> GroupSpec:
+        return GroupSpec(**{**asdict(self.spec0), "gen": gen, "world_size": 1 + num_engines * workers_per_engine,
+                            "workers_per_engine": workers_per_engine})
+
+    def send(self, spec: GroupSpec, named, meta: Meta, who: str = "trainer rank 0") -> float:
+        """Broadcast `named` ((name, tensor) in meta's order; an iterator is consumed once, bucket by
+        bucket, so the sender's extra memory is one bucket) over spec's group; returns seconds.
+        Collective with every worker's receive. On a failure the iterator is still drained before
+        the error is raised: FSDP's gathers behind it are collectives of every trainer rank."""
+        import time
+        t0 = time.monotonic()
+        named = iter(named)
+        try:
+            if self.gen != spec.gen:      # a new generation: the old group (if any) is dropped
+                self.pg, self.gen = None, None
+                self.pg, self.gen = open_group(spec, 0, self.store), spec.gen
+            for b, idx in enumerate(plan_buckets(meta, spec.bucket_bytes)):
+                parts = []
+                for i in idx:
+                    name, t = next(named)
+                    if name != meta[i][0]:
+                        raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
+                    parts.append(t.detach().reshape(-1).to(self.device, getattr(torch, meta[i][2])))
+                broadcast(self.pg, torch.cat(parts), who, f"weight broadcast bucket {b} (gen {spec.gen})")
+        except BaseException:
+            self.pg, self.gen = None, None     # a group that failed once is not used again
+            for _ in named:
+                pass
+            raise
+        return time.monotonic() - t0
+
+
+class WeightSyncWorker:
+    """Mixed into every vLLM worker (worker_extension_cls="weight_sync.WeightSyncWorker"); its
+    methods run in the worker process, called by collective_rpc."""
+
+    def receive_weights(self, spec: dict, first_rank: int, meta: Meta) -> int:
+        """Join spec's group (first time, or a new generation) as first_rank + this worker's rank,
+        receive every bucket and load it as it arrives. Returns the number of tensors loaded."""
+        spec = GroupSpec(**spec)
+        rank = first_rank + getattr(self, "rank", 0)
+        who = f"engine worker (weight-sync rank {rank}, gen {spec.gen})"
+        if getattr(self, "_sync_gen", None) != (spec.host, spec.port, spec.prefix, spec.gen):
+            self._sync_pg = None
+            try:
+                self._sync_pg = open_group(spec, rank)
+            except Exception as e:
+                raise RuntimeError(f"{who}: joining the weight-sync group at {spec.host}:{spec.port} failed: {e}") from None
+            self._sync_gen = (spec.host, spec.port, spec.prefix, spec.gen)
+        device = self.model_runner.device
+        count = [0]
+
+        def tensors():            # bucket b is received when reload_weights asks for its first tensor
+            for b, idx in enumerate(plan_buckets(meta, spec.bucket_bytes)):
+                sizes = [torch.Size(meta[i][1]).numel() for i in idx]
+                flat = torch.empty(sum(sizes), dtype=getattr(torch, meta[idx[0]][2]), device=device)
+                try:
+                    broadcast(self._sync_pg, flat, who, f"weight broadcast bucket {b}")
+                except RuntimeError:
+                    self._sync_gen = None          # this group is broken: the next sync forms a new one
+                    raise
+                for i, chunk in zip(idx, torch.split(flat, sizes)):
+                    count[0] += 1
+                    yield meta[i][0], chunk.view(meta[i][1])
+
+        stream = tensors()
+        self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+        for _ in stream:          # (a loader that stopped early: the broadcast still needs every bucket received)
+            pass
+        self._fix_tied_head()
+        return count[0]
+
+    def _fix_tied_head(self):
+        # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the
+        # head. On CPU vLLM keeps its own copy of the head (a prepacked GEMM made after loading),
+        # which then still holds the old embedding (verified). Copy and re-run the head's
+        # post-load step. On GPU the head shares the embedding's tensor and this is a cheap copy.
+        model = self.model_runner.get_model()
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+            head, emb = model.lm_head, model.model.embed_tokens.weight
+            if head.weight is not emb:
+                head.weight.data.copy_(emb.data)
+            if getattr(head, "quant_method", None) is not None:
+                head.quant_method.process_weights_after_loading(head)
+
+
+async def push(proxies, sender: Sender, named, version: int, gen: int = 0):
+    """One process holding the weights and the proxies (benchmarks, tests): broadcast `named` into
+    every (suspended) proxy's engine over sender's group, generation `gen`."""
+    import asyncio
+    named = list(named)
+    meta = weight_meta(named)
+    spec = sender.spec(gen, len(proxies))
+    await asyncio.gather(asyncio.to_thread(sender.send, spec, named, meta),
+                         *[p.update_weights(meta, version, spec, first_rank=1 + i) for i, p in enumerate(proxies)])
