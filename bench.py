@@ -19,11 +19,11 @@ Each configuration trains the same number of samples (steps x batch). Printed: o
 seconds per step of each configuration and the ratios.
 
 Deliberate differences from train.py, for a one-process benchmark: the trainer runs in a thread of
-this process and weights go to the engines in-process (proxy.update_weights), not over gloo; dynamic
-filtering is off (responses of forced length carry no meaningful reward, and filtering would make
-the number of generated groups random). On 2 shared cores, rollout and training compete for the same
-CPU, so async gains here are smaller than on separate GPUs: the simulator (sim.py) covers the
-paper's scale.
+this process, and so does weight-sync rank 0 (weight_sync.Sender: the same gloo broadcast into the
+engines' workers, on a store of its own); dynamic filtering is off (responses of forced length
+carry no meaningful reward, and filtering would make the number of generated groups random). On 2
+shared cores, rollout and training compete for the same CPU, so async gains here are smaller than
+on separate GPUs: the simulator (sim.py) covers the paper's scale.
 """
 
 import argparse
@@ -46,11 +46,12 @@ def problems(seed: int, median: float, sigma: float, cap: int):
         yield p
 
 
-async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict:
+async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer) -> dict:
     from buffer import LocalQueues, SampleBuffer
     from controller import AsyncController, ControllerConfig
     from env_manager import EnvManager, RolloutConfig
     from losses import group_advantages
+    from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_groups=False,
@@ -58,14 +59,11 @@ async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict
     version = proxies[0].version
     ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
                       version=version)
-    latest: list = []                                   # the weights of the newest version
-
-    async def receive_weights(cmd):                     # the transport: in-process, straight from the trainer
-        return latest
-
+    # every configuration reuses generation 0 of the sender's group (the same engines: no replacement)
+    group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.weight_names())
+    send = lambda g: sender.send(g, trainer.iter_full_state(), meta)     # in sync_weights' thread
     rcfg = RolloutConfig(max_concurrency=args.max_concurrency, async_ratio=ccfg.async_ratio, max_total_tokens=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, receive_weights=receive_weights)
-                for r, p in enumerate(proxies)]
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
     runs = [asyncio.create_task(m.run()) for m in managers]
     step_times, stale = [], []
     for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
@@ -73,8 +71,7 @@ async def run_config(name, overrides, args, proxies, trainer, tokenizer) -> dict
         batch, info = await ctrl.collect()
         adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
         await asyncio.to_thread(trainer.train_step, batch, adv)      # the event loop keeps serving rollout
-        latest[:] = await asyncio.to_thread(trainer.full_state)
-        await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
         if args.verbose:
             print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, wait {info['time_wait_rollout']:.2f}s, "
                   f"{info['num_samples']} samples, {ctrl.groups_admitted} groups admitted", flush=True)
@@ -94,12 +91,14 @@ async def main(args):
     import tiny_model
     from proxy import LLMProxy
     from trainer import TrainConfig, Trainer
+    from weight_sync import Sender
 
     model_dir = str(tiny_model.ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=args.max_concurrency)
                for r in range(2)]
     trainer = Trainer(model_dir, TrainConfig(loss="ppo", lr=1e-5, seed=args.seed))
+    sender = Sender(timeout_s=300)                      # weight-sync rank 0, on a store of its own
     redundant = args.batch_groups // 2
     configs = {
         "sync": dict(async_ratio=0),
@@ -115,11 +114,11 @@ async def main(args):
         # warm-up, not reported: the engines' first batches of each shape and the trainer's first
         # steps are slow, and would penalise whichever configuration ran first
         await run_config("warm-up", configs["sync"], argparse.Namespace(**{**vars(args), "steps": 3}),
-                         proxies, trainer, tokenizer)
+                         proxies, trainer, sender, tokenizer)
         for name, overrides in configs.items():
             if args.only and name not in args.only.split(","):
                 continue
-            res[name] = await run_config(name, overrides, args, proxies, trainer, tokenizer)
+            res[name] = await run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     finally:
         for p in proxies:
             p.shutdown()

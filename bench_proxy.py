@@ -5,7 +5,8 @@ on one real vLLM engine, interleaved in one run; plus the weight update time.
     .venv/bin/python bench_proxy.py --model DIR --num-requests 512 --max-tokens 128
 
 Prints one JSON object: raw and proxy tokens/s per round, proxy/raw throughput ratio (median of
-rounds), and the weight update phases (suspend, load, resume) in ms, median over updates.
+rounds), and the weight update phases (suspend, load, resume) in ms, median over updates; load is the
+engine receiving the weights over the weight-sync group (gloo, from this process) and loading them.
 """
 
 import argparse
@@ -45,6 +46,7 @@ async def main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from proxy import LLMProxy
+    from weight_sync import Sender, push
 
     if not args.model:
         import tiny_model
@@ -68,12 +70,13 @@ async def main(args):
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
+    sender = Sender(timeout_s=300)            # weight-sync rank 0 (the trainer's side), on a store of its own
     phases = {"suspend_ms": [], "load_ms": [], "resume_ms": [], "total_ms": []}
     for v in range(1, args.updates + 1):
         t0 = time.perf_counter()
         await proxy.suspend("keep")
         t1 = time.perf_counter()
-        await proxy.update_weights(named, v)
+        await push([proxy], sender, named, v)     # the first update also forms the group
         t2 = time.perf_counter()
         await proxy.resume()
         t3 = time.perf_counter()

@@ -121,7 +121,7 @@ class Ack:
     version: int | None = None             # SYNCED: the version of the SYNC being acked
     engine: dict | None = None             # READY, SYNCED: proxy.stats() (busy/idle seconds...)
     probe: list[float] | None = None       # READY, and SYNCED with Command.probe: engine logprobs of the probe
-    timings: dict | None = None            # SYNCED: receive_s (transfer into the engine), load_s (suspend + that + resume)
+    timings: dict | None = None            # SYNCED: receive_s (transfer into the engine), load_s (suspend + that + resume), vllm_load_s
     needs_weights: bool = False            # SYNCED: the broadcast failed; the engine waits, suspended, for a new SYNC
     stats: dict | None = None              # STOPPED: the env manager's counters
     events: list[dict] | None = None       # SYNCED, STOPPED: the rank's timeline events since its last ack (timeline.py)

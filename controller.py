@@ -384,7 +384,9 @@ class AsyncController:
         """Wait for the SYNCED acks of the sync in flight, if any, and report what they carry:
         the version they loaded (synced_version), the largest probe difference against the
         trainer's (None if not probed), the engines' utilisation since their previous SYNCED ack,
-        and the slowest rank's receive and suspend+load+resume times."""
+        and the slowest rank's times: receive (the transfer into its engine, with vLLM's own load),
+        suspend + that + resume, and vLLM's own load alone (the engine's workers' time not spent
+        waiting in the broadcast)."""
         if self.in_flight is None:           # nothing in flight: what wait_ready found, once
             report, self.unreported = self.unreported, {}
             return report
@@ -394,7 +396,8 @@ class AsyncController:
         return {"synced_version": version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
                 "rollout_utilisation": self._utilisation(acks),
                 "time_receive": max(a.timings["receive_s"] for a in acks),
-                "time_engine_load": max(a.timings["load_s"] for a in acks)}
+                "time_engine_load": max(a.timings["load_s"] for a in acks),
+                "time_vllm_load": max(a.timings.get("vllm_load_s", 0.0) for a in acks)}
 
     def _utilisation(self, acks: list[Ack]) -> float:
         """Engine busy time / wall time since each rank's previous SYNCED ack, over all ranks."""

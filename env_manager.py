@@ -379,7 +379,7 @@ class EnvManager:
         try:
             await self.proxy.suspend(self.cfg.suspend_mode)
             t1 = now()
-            await self.proxy.update_weights(cmd.meta or [], v, cmd.group, first_rank)
+            workers = await self.proxy.update_weights(cmd.meta or [], v, cmd.group, first_rank)
             t2 = now()
             await self.proxy.resume()
             self.synced = True
@@ -402,8 +402,9 @@ class EnvManager:
             if not group_broke:
                 await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
             return
+        vllm_load = max((w["total_s"] - w["wait_s"] for w in workers or []), default=0.0)   # (the fake: none)
         await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
-                                      timings={"receive_s": t2 - t1, "load_s": now() - t0},
+                                      timings={"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load},
                                       events=self.proxy.take_events()))
 
     async def _pull_tasks(self):

@@ -182,9 +182,10 @@ class VLLMEngine:
 
     async def receive_weights(self, spec, first_rank: int, meta):
         """Every worker joins spec's weight-sync group and loads what its rank 0 broadcasts
-        (weight_sync.WeightSyncWorker); collective_rpc carries only the spec and the meta."""
+        (weight_sync.WeightSyncWorker); collective_rpc carries only the spec and the meta. Returns
+        each worker's timings."""
         from dataclasses import asdict
-        await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta))
+        return await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta))
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
@@ -434,16 +435,19 @@ class LLMProxy:
     async def update_weights(self, meta, version: int, spec=None, first_rank: int = 1):
         """The engine's workers receive new weights (meta: weight_sync.Meta, HF names) over spec's
         weight-sync group, as ranks first_rank.., from its rank 0, which sends at the same time;
-        tokens sampled after resume carry `version`. (spec None: the fake engine, which has no group.)"""
+        tokens sampled after resume carry `version`. (spec None: the fake engine, which has no group.)
+        Returns what the backend reports: per worker, seconds in all and waiting in the broadcast."""
         if self.status != Status.SUSPENDED:
             raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
                                f"(call suspend first), status is {self.status.value}")
         await self._wake()
         wall0 = time.time()
         timeout = max(self.timeout_s, 300) if spec is None else max(self.timeout_s, spec.timeout_s + 5)
-        await self._call("update_weights", self.engine.receive_weights(spec, first_rank, meta), timeout=timeout)
+        workers = await self._call("update_weights", self.engine.receive_weights(spec, first_rank, meta),
+                                   timeout=timeout)
         self.version = version
         self._phase("load", wall0)
+        return workers
 
     async def resume(self):
         self._check_running("resume")

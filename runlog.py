@@ -16,7 +16,8 @@ before any process starts.
 A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
 row of the step after it: row k carries synced_version (the weights checked: k - 1, or the starting
 weights in row 1), sync_probe_max_diff (None when that sync was not probed), rollout_utilisation
-(engine busy fraction between that ack and the one before), time_receive and time_engine_load.
+(engine busy fraction between that ack and the one before), time_receive, time_engine_load and
+time_vllm_load (weight_sync.py: the transfer into the engines, suspend + that + resume, vLLM's own load).
 time_weight_sync is what the trainer itself spent on step k's sync.
 """
 

@@ -17,8 +17,9 @@ envs.LatencyEnv / envs.FaultyEnv. All of it on one looptime event loop whose clo
 next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds. The glue here:
 - trainer: the loop of train.py (collect -> train -> sync_weights) with training as a sleep of
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
-- weight sync: the real protocol (controller.sync_weights, EnvManager._sync); its transport,
-  receive_weights, sleeps broadcast_s, then the fake engine's load sleeps load_s and counts the load;
+- weight sync: the real protocol (controller.sync_weights, EnvManager._sync) with no group (the
+  trainer's send is a no-op); the engine is paused for the whole transfer, as in the paper, so the
+  fake engine's receive_weights sleeps broadcast_s + load_s while suspended and counts the load;
 - engines: fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
   budget of kv_tokens (admission while the blocks fit, preemption + recompute when they run out),
   step time t0 + k * running + k_ctx * context tokens + k_prefill * prefilled tokens; the
@@ -74,7 +75,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import looptime
-import torch
 
 from buffer import LocalQueues, SampleBuffer
 from config import sub_config
@@ -154,7 +154,8 @@ class SimConfig:
                                     # 8B: fwd+bwd (6 x 8.2e9 FLOP/token) + old and ref logprob passes (4 x 8.2e9)
                                     # = 82 GFLOP/token, i.e. 36% of a 989 TFLOP/s GPU, a usual training MFU
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
-    broadcast_s: float = 2.0        # weight broadcast to the engines: 16 GB over NCCL (~50 GB/s IB) + bucketing
+    broadcast_s: float = 2.0        # weight broadcast to the engines (paused for it): 16 GB over NCCL (~50 GB/s IB)
+                                    # + bucketing
     load_s: float = 1.0             # engine weight load
     # run
     steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline to fill)
@@ -267,7 +268,7 @@ def sim_engine(cfg: SimConfig, workload: Workload, seed: int) -> FakeTimedEngine
     return FakeTimedEngine(t0=c * cfg.t0, k=c * cfg.k, k_ctx=c * c * cfg.k_ctx, k_prefill=c * cfg.k_prefill,
                            kv_tokens=cfg.kv_tokens // c, block_size=max(1, cfg.block_size // c),
                            max_num_seqs=cfg.max_num_seqs, length_of_prompt=workload.length_of_prompt,
-                           load_s=cfg.load_s, seed=seed)
+                           load_s=cfg.broadcast_s + cfg.load_s, seed=seed)   # suspended for the transfer too
 
 
 def train_time(cfg: SimConfig, tokens: float, gpus: int) -> float:
@@ -346,12 +347,6 @@ async def _simulate(cfg: SimConfig) -> dict:
                       max_total_tokens=2 + -(-cfg.prompt_cap // cfg.chunk) + cfg.turns * (turn_cap + 1),
                       sync_timeout_s=cfg.timeout_s,
                       stop_timeout_s=cfg.timeout_s)
-    weights = [("w", torch.zeros(1))]
-
-    async def receive_weights(cmd):             # the transport: the modelled broadcast time
-        await asyncio.sleep(cfg.broadcast_s)
-        return weights
-
     batch_barrier = asyncio.Barrier(cfg.batch_groups * cfg.group_size) if cfg.lockstep == "batch" else None
     proxies, managers = [], []
     for r in range(R):
@@ -369,7 +364,7 @@ async def _simulate(cfg: SimConfig) -> dict:
             return LockstepEnv(env, barrier) if barrier else env
 
         proxies.append(proxy)
-        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, receive_weights=receive_weights, env_wrappers=wrap))
+        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, env_wrappers=wrap))
 
     rows = []
 
@@ -381,7 +376,7 @@ async def _simulate(cfg: SimConfig) -> dict:
             tokens = sum(s.num_tokens for s in batch) * cfg.chunk
             await asyncio.sleep(train_time(cfg, tokens, T))
             t2 = loop.time()
-            await ctrl.sync_weights(ctrl.version + 1, lambda: None)
+            await ctrl.sync_weights(ctrl.version + 1, lambda group: None)   # the engines model the transfer
             rows.append({**info, "t_end": loop.time(), "time_rollout": t1 - t0, "time_train": t2 - t1,
                          "time_sync": loop.time() - t2, "tokens": tokens,
                          "tokens_generated": sum(p.num_tokens for p in proxies) * cfg.chunk})

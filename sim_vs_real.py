@@ -7,10 +7,12 @@ Per repeat:
 1. calibrate: keep n requests in flight on each real engine (n in N_SWEEP, prompts of PROMPT_LENS
    tokens, the run's response lengths, a new request as soon as one ends), measure the seconds per
    decode step, and fit the fake engine's step time t0 + k * n + k_ctx * (context tokens) by least
-   squares; time a weight update (load + resume) of the tiny model's real tensors;
+   squares; time a weight update (broadcast into both engines + load + resume) of the tiny model's
+   real tensors (weight_sync.push: gloo, from this process), the fake engine's load_s;
 2. real: the project's AsyncController, SampleBuffer and one EnvManager per engine over the two real
    proxies, `steps` timed steps (after one warm-up step) of collect -> training (a sleep of train_s)
-   -> weight sync through the real protocol with the tiny model's tensors, for each async ratio;
+   -> weight sync through the real protocol with the tiny model's tensors (sent as train.py does,
+   from a weight_sync.Sender in this process), for each async ratio;
 3. sim: the same code, same settings, same problem stream (same prompts and response lengths), over
    FakeTimedEngines with the constants of step 1, on a fast-forwarded event loop.
 Printed: one JSON object with the fitted constants and, per async ratio, seconds per step and engine
@@ -77,11 +79,12 @@ async def closed_loop(proxy, n: int, plen: int, lengths: list[int], vocab: int) 
     return n * dt / tokens
 
 
-async def calibrate(proxies, weights, vocab: int, args) -> dict:
+async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
     """Both engines at once (as in a run: they share the front-end process), each in closed loops over
-    N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> load -> resume),
-    both engines at once."""
+    N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> broadcast into
+    both engines and load -> resume), one broadcast to both engines as in a run."""
     import bench
+    from weight_sync import push
     rows = []
     for plen in PROMPT_LENS:
         for n in N_SWEEP:
@@ -94,24 +97,26 @@ async def calibrate(proxies, weights, vocab: int, args) -> dict:
             if n == max(N_SWEEP):
                 front_cpu = (time.process_time() - cpu) / (time.perf_counter() - t)
 
-    async def sync(proxy):
-        await proxy.suspend("keep")
+    async def sync():             # the engines are paused for the transfer: the fake engine's load_s models both
+        await asyncio.gather(*[p.suspend("keep") for p in proxies])
         t = time.perf_counter()
-        await proxy.update_weights(weights, proxy.version)
-        await proxy.resume()
+        await push(proxies, sender, weights, proxies[0].version)     # generation 0, as run()'s syncs
+        await asyncio.gather(*[p.resume() for p in proxies])
         return time.perf_counter() - t
-    loads = [x for _ in range(3) for x in await asyncio.gather(*[sync(p) for p in proxies])]
+    loads = [await sync() for _ in range(3)]
     t0, k, k_ctx = fit(rows)
     return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads), "front_end_cores_at_64": front_cpu,
             "max_abs_residual_ms": 1e3 * max(abs(t0 + k * n + k_ctx * n * c - s) for n, c, s in rows)}
 
 
-async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
-    """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual)."""
+async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dict:
+    """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual).
+    sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
     import bench
     from buffer import LocalQueues, SampleBuffer
     from controller import AsyncController, ControllerConfig
     from env_manager import EnvManager, RolloutConfig
+    from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, async_ratio=alpha,
@@ -119,12 +124,11 @@ async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
     ctrl = AsyncController(ccfg, buffer, bench.problems(args.seed, args.median_len, 1.0, 110), len(proxies),
                            version=proxies[0].version)
 
-    async def receive_weights(cmd):
-        return weights
-
+    meta = weight_meta(weights)
+    group = sender.spec(0, len(proxies)) if sender else None
+    send = (lambda g: sender.send(g, weights, meta)) if sender else (lambda g: None)
     rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, async_ratio=alpha, max_total_tokens=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, receive_weights=receive_weights)
-                for r, p in enumerate(proxies)]
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
     runs = [asyncio.ensure_future(m.run()) for m in managers]
     loop = asyncio.get_running_loop()
     times, utils, waits, syncs = [], [], [], []
@@ -133,7 +137,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int) -> dict:
         t = loop.time()
         _, info = await ctrl.collect()
         await asyncio.sleep(args.train_s)
-        sync = await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        sync = await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
         if step == 0:
             t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
         else:
@@ -175,14 +179,16 @@ def run_sim(consts: dict, tokenizer, weights, args, alpha: int, kv_tokens: int) 
 
 async def real_repeats(args, model_dir, tokenizer, weights, kv_tokens) -> list[dict]:
     from proxy import LLMProxy
+    from weight_sync import Sender
     proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=MAX_NUM_SEQS,
                                          kv_cache_gib=KV_GIB, timeout_s=120) for r in range(2)]
+    sender = Sender(timeout_s=120)                # weight-sync rank 0 (the trainer's side), on a store of its own
     out = []
     try:
-        await calibrate(proxies, weights, tokenizer.vocab_size, args)      # warm-up: first batches of each shape are slow
+        await calibrate(proxies, sender, weights, tokenizer.vocab_size, args)   # warm-up: first batches are slow
         for rep in range(args.repeats):
-            consts = await calibrate(proxies, weights, tokenizer.vocab_size, args)
-            real = {a: await run(proxies, tokenizer, weights, args, a) for a in args.alphas}
+            consts = await calibrate(proxies, sender, weights, tokenizer.vocab_size, args)
+            real = {a: await run(proxies, tokenizer, weights, args, a, sender) for a in args.alphas}
             out.append({"consts": consts, "real": real})
             print(f"repeat {rep}: {json.dumps(out[-1])}", flush=True)
     finally:

@@ -14,7 +14,8 @@ seen (mean and max over trained samples), clip fraction, and wall time.
 Real parts, as bench.py: one vLLM engine (core 1) behind LLMProxy, the project's EnvManager,
 AsyncController, SampleBuffer and Trainer (core 0, a thread of this process). The engine is started
 once; every run rebuilds the trainer from the tiny model and loads the initial weights into the
-engine, so runs start from the same policy. Weights go to the engine in-process (no gloo broadcast).
+engine, so runs start from the same policy. Weight-sync rank 0 (weight_sync.Sender) is this process:
+the same gloo broadcast into the engine's worker as train.py's, on a store of its own.
 
 Writes results/study.json (every run), results/study.md (the table) and results/study.png.
 """
@@ -46,8 +47,8 @@ EVAL_K = 4                 # samples per held-out problem at temperature 1 (mean
 ROOT = Path(__file__).resolve().parent
 
 
-async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, initial, model_dir, tokenizer,
-                  steps: int) -> dict:
+async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sender, initial, model_dir,
+                  tokenizer, steps: int) -> dict:
     """One training run of `steps` steps from the initial weights; returns its figures (steps 0: the
     initial policy's evaluation alone)."""
     import task
@@ -56,26 +57,24 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, ini
     from env_manager import EnvManager, RolloutConfig
     from losses import group_advantages
     from trainer import TrainConfig, Trainer
+    from weight_sync import push, weight_meta
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
     trainer = Trainer(model_dir, TrainConfig(loss=loss, lr=args.lr, mini_batches=args.mini_batches, seed=seed))
     version = proxy.version + 1                       # the engine back to the initial weights
     await proxy.suspend("keep")
-    await proxy.update_weights(initial, version)
+    await push([proxy], sender, initial, version)     # generation 0 of sender's group, as the syncs below
     await proxy.resume()
     buffer = SampleBuffer(LocalQueues(1), f"study {loss} ratio {ratio} seed {seed}", timeout_s=300)
     ctrl = AsyncController(ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size,
                                             async_ratio=ratio, redundant=args.redundant, sample_order=order,
                                             timeout_s=300), buffer, problem_stream(None, seed, make=task.make_problem),
                            1, version=version)
-    latest: list = []
-
-    async def receive_weights(cmd):                   # the transport: in-process, straight from the trainer
-        return latest
+    group, meta = sender.spec(0, 1), weight_meta(trainer.weight_names())
+    send = lambda g: sender.send(g, trainer.iter_full_state(), meta)   # in sync_weights' thread
     manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(async_ratio=ratio, max_tokens=8,
-                                                                    max_total_tokens=128),
-                         receive_weights=receive_weights)
+                                                                    max_total_tokens=128))
     running = asyncio.create_task(manager.run())
     await ctrl.wait_ready()
     rows = []
@@ -83,8 +82,7 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, ini
         batch, info = await ctrl.collect()
         adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
         m = await asyncio.to_thread(trainer.train_step, batch, adv, ctrl.version)   # rollout goes on meanwhile
-        latest[:] = await asyncio.to_thread(trainer.full_state)
-        await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda: None)
+        await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
         rows.append({**info, **m})
     await ctrl.finish_sync()
     await ctrl.start_eval(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)   # the final weights
@@ -167,6 +165,7 @@ async def main(args):
     import tiny_model
     from proxy import LLMProxy, Sampling
     from trainer import Trainer, TrainConfig
+    from weight_sync import Sender
 
     model_dir = str(tiny_model.ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -174,6 +173,7 @@ async def main(args):
     os.sched_setaffinity(0, {0})                      # the trainer and the event loop: core 0
     torch.set_num_threads(1)
     initial = Trainer(model_dir, TrainConfig()).full_state()
+    sender = Sender(timeout_s=300)                    # weight-sync rank 0, on a store of its own
     await proxy.generate(tokenizer.encode("1+1="), Sampling(max_tokens=2))     # warm-up
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,11 +181,12 @@ async def main(args):
     if args.order_loss:
         plan += [(args.order_loss, r, seed, "freshest") for r in args.ratios if r > 0 for seed in args.seeds]
     runs, t0 = [], time.monotonic()
-    start = (await run_one("ppo", 0, 0, "oldest", args, proxy, initial, model_dir, tokenizer, steps=0))["eval_mean_at_k"]
+    start = (await run_one("ppo", 0, 0, "oldest", args, proxy, sender, initial, model_dir, tokenizer,
+                           steps=0))["eval_mean_at_k"]
     print(f"study: the initial policy's held-out reward (mean@{args.eval_k}) is {start:.3f}; {len(plan)} runs of {args.steps} steps x {args.batch_groups}x{args.group_size} samples", flush=True)
     try:
         for i, (loss, ratio, seed, order) in enumerate(plan):
-            r = await run_one(loss, ratio, seed, order, args, proxy, initial, model_dir, tokenizer, args.steps)
+            r = await run_one(loss, ratio, seed, order, args, proxy, sender, initial, model_dir, tokenizer, args.steps)
             runs.append(r)
             done = time.monotonic() - t0
             print(f"  [{i + 1}/{len(plan)}] {loss:13s} ratio {ratio} seed {seed} {order:8s} | eval mean@k "

@@ -203,7 +203,15 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sft-steps", type=int, default=TinyConfig.sft_steps)
     ap.add_argument("--quiet", action="store_true", help="print nothing when the cached model is reused")
+    # a bigger model of the same kind, e.g. the weight-sync benchmark's 103M one (bench_weight_sync.py):
+    # --hidden 1024 --layers 8 --heads 16 --intermediate 2816 --sft-steps 0 (random weights)
+    ap.add_argument("--hidden", type=int, default=TinyConfig.hidden)
+    ap.add_argument("--layers", type=int, default=TinyConfig.num_layers)
+    ap.add_argument("--heads", type=int, default=TinyConfig.num_heads, help="keep hidden / heads = 64")
+    ap.add_argument("--intermediate", type=int, default=TinyConfig.intermediate)
     args = ap.parse_args()
-    path = ensure_tiny_model(args.out_dir, TinyConfig(seed=args.seed, sft_steps=args.sft_steps), force=args.force)
+    cfg = TinyConfig(seed=args.seed, sft_steps=args.sft_steps, hidden=args.hidden, num_layers=args.layers,
+                     num_heads=args.heads, intermediate=args.intermediate)
+    path = ensure_tiny_model(args.out_dir, cfg, force=args.force)
     if not args.quiet:
         print(json.dumps(json.loads((path / "build.json").read_text()), indent=2))

@@ -159,9 +159,12 @@ class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls="weight_sync.WeightSyncWorker"); its
     methods run in the worker process, called by collective_rpc."""
 
-    def receive_weights(self, spec: dict, first_rank: int, meta: Meta) -> int:
+    def receive_weights(self, spec: dict, first_rank: int, meta: Meta) -> dict:
         """Join spec's group (first time, or a new generation) as first_rank + this worker's rank,
-        receive every bucket and load it as it arrives. Returns the number of tensors loaded."""
+        receive every bucket and load it as it arrives. Returns the tensors loaded and seconds: in
+        all (total_s), waiting in the broadcast (wait_s; the rest is vLLM's own load)."""
+        import time
+        t0 = time.monotonic()
         spec = GroupSpec(**spec)
         rank = first_rank + getattr(self, "rank", 0)
         who = f"engine worker (weight-sync rank {rank}, gen {spec.gen})"
@@ -173,14 +176,16 @@ class WeightSyncWorker:
                 raise RuntimeError(f"{who}: joining the weight-sync group at {spec.host}:{spec.port} failed: {e}") from None
             self._sync_gen = (spec.host, spec.port, spec.prefix, spec.gen)
         device = self.model_runner.device
-        count = [0]
+        count, wait = [0], [0.0]
 
         def tensors():            # bucket b is received when reload_weights asks for its first tensor
             for b, idx in enumerate(plan_buckets(meta, spec.bucket_bytes)):
                 sizes = [torch.Size(meta[i][1]).numel() for i in idx]
                 flat = torch.empty(sum(sizes), dtype=getattr(torch, meta[idx[0]][2]), device=device)
+                t = time.monotonic()
                 try:
                     broadcast(self._sync_pg, flat, who, f"weight broadcast bucket {b}")
+                    wait[0] += time.monotonic() - t
                 except RuntimeError:
                     self._sync_gen = None          # this group is broken: the next sync forms a new one
                     raise
@@ -193,7 +198,7 @@ class WeightSyncWorker:
         for _ in stream:          # (a loader that stopped early: the broadcast still needs every bucket received)
             pass
         self._fix_tied_head()
-        return count[0]
+        return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
 
     def _fix_tied_head(self):
         # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the

@@ -1,0 +1,119 @@
+"""bench_weight_sync.py: the weight sync before and after weights went straight into the engines,
+side by side in one run, on the real system (torchrun train.py, 1 trainer rank + 1 engine).
+
+    git worktree add ../before 314ce2d                 # the last commit of the old path
+    .venv/bin/python tiny_model.py --out-dir .cache/qwen2-103m --hidden 1024 --layers 8 --heads 16 \
+        --intermediate 2816 --sft-steps 0              # the 103M model (random weights; ~2 min, once)
+    .venv/bin/python bench_weight_sync.py --before ../before      # ~8 min on 2 cores
+
+before: trainer rank 0 -> gloo broadcast -> the rollout rank -> .cpu() -> safetensors bytes ->
+collective_rpc("stage_weights") -> the engine's worker -> reload_weights; the rank receives while
+its engine generates, then suspends for the load. after (this tree, weight_sync.py): the rank
+suspends, trainer rank 0 broadcasts into the engine's worker, each bucket is loaded as it arrives.
+
+Two runs per tree: the 103M Qwen2 (hidden 1024, 8 layers, tiny tokenizer, 0.41 GB in float32) with
+`--batch-groups 2 --group-size 4 --max-tokens 4 --no-filter-groups --steps 5`, and the default run
+(the embedded tiny model, `--steps 20`). From each run's metrics.jsonl, steps 2.. (after start-up;
+row k reports the acks of sync k - 1):
+
+    s/sync      end to end on the rollout side, from the SYNC command to the engine running again on
+                the new weights: before: receive + suspend/load/resume; after: suspend/receive/resume
+    GB/s        the model's bytes (its safetensors) / s/sync
+    vLLM load   after only: the engine worker's time not spent waiting in the broadcast (vLLM's
+                own reload_weights: copies into the parameters, CPU weight prepacking)
+    sync share  the trainer's time in sync_weights / step time (what the trainer waits for)
+    util        the engine's busy fraction between syncs (rollout_utilisation)
+
+Prints a markdown table (README, "Weight sync") and the JSON it came from.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from jobs import torchrun_cmd
+
+ROOT = Path(__file__).resolve().parent
+RUNS = {   # name -> (train.py args, model dir or None for the embedded default)
+    "103M": (["--batch-groups", "2", "--group-size", "4", "--max-tokens", "4", "--no-filter-groups"], ".cache/qwen2-103m"),
+    "default": ([], None),
+}
+
+
+def model_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
+    args, model = RUNS[name]
+    model_dir = ROOT / (model or ".cache/tiny-qwen2")
+    cmd = torchrun_cmd(*args, *(["--model", str(model_dir)] if model else []), "--steps", str(steps),
+                       "--out-dir", str(out), "--save-every", "0")
+    t = time.monotonic()
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    if rc != 0:
+        raise SystemExit(f"bench_weight_sync: {' '.join(cmd)} in {tree} failed (exit {rc}); see {out.with_suffix('.log')}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    after = "time_vllm_load" in rows[-1]
+    # rows that report a sync (the first row reports the start-up check, not a sync)
+    synced = [r for r in rows if "time_engine_load" in r]
+    per_sync = [r["time_engine_load"] + (0.0 if after else r["time_receive"]) for r in synced]
+    s_sync = statistics.fmean(per_sync)
+    gb = model_bytes(model_dir) / 1e9
+    return {"tree": "after" if after else "before", "run": name, "steps": steps, "model_gb": round(gb, 3),
+            "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2),
+            "vllm_load_s": round(statistics.fmean(r["time_vllm_load"] for r in synced), 3) if after else None,
+            "sync_share": round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows), 4),
+            "util": round(statistics.fmean(r["rollout_utilisation"] for r in synced), 3),
+            "wall_s": round(time.monotonic() - t, 1)}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| run | path | s/sync | GB/s | vLLM load s | sync share | engine util |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        load = f"{r['vllm_load_s']:.3f}" if r["vllm_load_s"] is not None else "-"
+        lines.append(f"| {r['run']} ({r['model_gb']} GB) | {r['tree']} | {r['s_per_sync']:.3f} | {r['gb_per_s']:.2f} | "
+                     f"{load} | {r['sync_share']:.1%} | {r['util']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(args):
+    before = Path(args.before).resolve()
+    if not (before / "train.py").exists():
+        raise SystemExit(f"bench_weight_sync: --before {before}: no train.py there; make it with "
+                         f"`git worktree add {args.before} 314ce2d`")
+    if not (before / ".cache").exists():          # the embedded model: the same build, not a second one
+        (before / ".cache").symlink_to(ROOT / ".cache")
+    if not (ROOT / RUNS["103M"][1] / "config.json").exists():
+        raise SystemExit("bench_weight_sync: build the 103M model first (see the docstring)")
+    out_root = Path(args.out_dir)
+    out_root.mkdir(parents=True, exist_ok=True)
+    results, ratios = [], {}
+    for name in args.runs:
+        pair = []
+        for label, tree in (("before", before), ("after", ROOT)):
+            print(f"bench_weight_sync: {name}, {label} ...", flush=True)
+            pair.append(run(tree, name, args.steps if name == "103M" else args.default_steps,
+                            out_root / f"{name}-{label}", args.timeout_s))
+            print(f"  {json.dumps(pair[-1])}", flush=True)
+        results += pair
+        ratios[name] = {"speedup_s_per_sync": round(pair[0]["s_per_sync"] / pair[1]["s_per_sync"], 1)}
+    print(table(results))
+    print(json.dumps({"results": results, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="a checkout of the old path (git worktree add DIR 314ce2d)")
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--steps", type=int, default=5, help="103M run: train.py --steps")
+    ap.add_argument("--default-steps", type=int, default=20, help="default run: train.py --steps")
+    ap.add_argument("--out-dir", default="runs/bench_weight_sync")
+    ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
+    main(ap.parse_args())
