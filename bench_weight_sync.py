@@ -13,11 +13,13 @@ suspends, trainer rank 0 broadcasts into the engine's worker, each bucket is loa
 
 Two runs per tree: the 103M Qwen2 (hidden 1024, 8 layers, tiny tokenizer, 0.41 GB in float32) with
 `--batch-groups 2 --group-size 4 --max-tokens 4 --no-filter-groups --steps 5`, and the default run
-(the embedded tiny model, `--steps 20`). From each run's metrics.jsonl, steps 2.. (after start-up;
+(the embedded tiny model, `--steps 80`, as `bash run.sh`). From each run's metrics.jsonl, steps 2.. (after start-up;
 row k reports the acks of sync k - 1):
 
     s/sync      end to end on the rollout side, from the SYNC command to the engine running again on
-                the new weights: before: receive + suspend/load/resume; after: suspend/receive/resume
+                the new weights: before: receive + suspend/load/resume; after: suspend/receive/resume.
+                The mean over the syncs after the first; the first (after: it forms the weight-sync
+                group and vLLM's first reload sets itself up) is shown apart
     GB/s        the model's bytes (its safetensors) / s/sync
     vLLM load   after only: the engine worker's time not spent waiting in the broadcast (vLLM's
                 own reload_weights: copies into the parameters, CPU weight prepacking)
@@ -52,7 +54,7 @@ def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
     args, model = RUNS[name]
     model_dir = ROOT / (model or ".cache/tiny-qwen2")
     cmd = torchrun_cmd(*args, *(["--model", str(model_dir)] if model else []), "--steps", str(steps),
-                       "--out-dir", str(out), "--save-every", "0")
+                       "--out-dir", str(out), "--save-every", "0", "--overwrite")
     t = time.monotonic()
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
@@ -64,22 +66,23 @@ def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
     # rows that report a sync (the first row reports the start-up check, not a sync)
     synced = [r for r in rows if "time_engine_load" in r]
     per_sync = [r["time_engine_load"] + (0.0 if after else r["time_receive"]) for r in synced]
-    s_sync = statistics.fmean(per_sync)
+    s_sync = statistics.fmean(per_sync[1:])          # the first sync forms the weight-sync group: apart
     gb = model_bytes(model_dir) / 1e9
     return {"tree": "after" if after else "before", "run": name, "steps": steps, "model_gb": round(gb, 3),
-            "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2),
-            "vllm_load_s": round(statistics.fmean(r["time_vllm_load"] for r in synced), 3) if after else None,
+            "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2), "first_sync_s": round(per_sync[0], 3),
+            "vllm_load_s": round(statistics.fmean(r["time_vllm_load"] for r in synced[1:]), 3) if after else None,
             "sync_share": round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows), 4),
             "util": round(statistics.fmean(r["rollout_utilisation"] for r in synced), 3),
             "wall_s": round(time.monotonic() - t, 1)}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| run | path | s/sync | GB/s | vLLM load s | sync share | engine util |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | path | s/sync | GB/s | first sync s | vLLM load s | sync share | engine util |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         load = f"{r['vllm_load_s']:.3f}" if r["vllm_load_s"] is not None else "-"
         lines.append(f"| {r['run']} ({r['model_gb']} GB) | {r['tree']} | {r['s_per_sync']:.3f} | {r['gb_per_s']:.2f} | "
-                     f"{load} | {r['sync_share']:.1%} | {r['util']:.2f} |")
+                     f"{r['first_sync_s']:.3f} | {load} | {r['sync_share']:.1%} | {r['util']:.2f} |")
     return "\n".join(lines)
 
 
@@ -92,7 +95,7 @@ def main(args):
         (before / ".cache").symlink_to(ROOT / ".cache")
     if not (ROOT / RUNS["103M"][1] / "config.json").exists():
         raise SystemExit("bench_weight_sync: build the 103M model first (see the docstring)")
-    out_root = Path(args.out_dir)
+    out_root = Path(args.out_dir).resolve()       # (the runs have their tree as cwd)
     out_root.mkdir(parents=True, exist_ok=True)
     results, ratios = [], {}
     for name in args.runs:
@@ -113,7 +116,7 @@ if __name__ == "__main__":
     ap.add_argument("--before", required=True, help="a checkout of the old path (git worktree add DIR 314ce2d)")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--steps", type=int, default=5, help="103M run: train.py --steps")
-    ap.add_argument("--default-steps", type=int, default=20, help="default run: train.py --steps")
+    ap.add_argument("--default-steps", type=int, default=80, help="default run: train.py --steps (80: the default)")
     ap.add_argument("--out-dir", default="runs/bench_weight_sync")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
     main(ap.parse_args())

@@ -127,6 +127,7 @@ class AsyncController:
         # the weight sync's transport (set by each sync_weights): send_fn(group) broadcasts the trainer's
         # current weights over `group` (weight_sync.GroupSpec; None: engines without one, the fake)
         self.send_fn, self.meta, self.group = None, None, None
+        self.probe_ref = None                  # the trainer's probe logprobs of the last sync (None: not probed)
         self.gen = 0                           # the weight-sync group's generation: +1 after an engine is replaced
         self.resyncs = 0                       # syncs done again for replaced engines
         self._t_replaced_check = 0.0
@@ -312,7 +313,7 @@ class AsyncController:
         t0, wall0 = now(), time.time()
         report = await self.finish_sync()
         t1, wall1 = now(), time.time()
-        self.send_fn, self.meta, self.group = send_fn, meta, group
+        self.send_fn, self.meta, self.group, self.probe_ref = send_fn, meta, group, probe_ref
         await self._send_weights(new_version, probe_ref is not None)
         t2 = now()
         if self.events is not None and self._collect_span:   # the trainer's step, for the timeline
@@ -368,7 +369,8 @@ class AsyncController:
     async def _serve_replaced(self):
         """An engine replaced after the first sync waits, suspended, for the current weights: sync
         the current version again over a new group (every engine reloads it; engines are rarely
-        replaced). Its acks are awaited here; the sync in flight, if any, is finished first."""
+        replaced), probed when the last sync was. Its acks are awaited here; the sync in flight, if
+        any, is finished first, and the next report carries the resync's probe."""
         self.acks += self.buffer.get_acks_nowait()
         if self.send_fn is None or not any(a.phase == Phase.REPLACED for a in self.acks):
             return
@@ -377,8 +379,10 @@ class AsyncController:
         if self.log:
             self.log(f"a rollout engine was replaced: syncing version {self.version} again over a new group")
         self.resyncs += 1
-        await self._send_weights(self.version, probe=False)
-        await self._wait_acks(Phase.SYNCED, self.version)
+        await self._send_weights(self.version, probe=self.probe_ref is not None)
+        acks = await self._wait_acks(Phase.SYNCED, self.version)
+        if self.probe_ref is not None:
+            self.unreported["sync_probe_max_diff"] = probe_diff(acks, self.probe_ref)
 
     async def finish_sync(self) -> dict:
         """Wait for the SYNCED acks of the sync in flight, if any, and report what they carry:

@@ -254,7 +254,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         if done:
             traj.finish_reason = c.finish_reason
             break
-        obs_ids = fmt.next(obs, ended_with_eos=c.finish_reason == "stop")
+        obs_ids = fmt.next(obs, c.token_ids[-1] if c.finish_reason == "stop" and c.token_ids else None)
         if turn == cfg.max_turns - 1 or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap:
             break                  # no turn left, or no room for the observation and one more action token
         traj.add(obs_ids)

@@ -181,6 +181,18 @@ class FaultyEnv:
 # observations -> tokens: plain, or through the tokenizer's chat template
 
 
+def model_eos_ids(tokenizer) -> set[int]:
+    """Every token the engine stops on: the tokenizer's EOS and the ids in the model dir's
+    generation_config.json (vLLM stops on all of them)."""
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(getattr(tokenizer, "name_or_path", "") or ".").eos_token_id
+    except (OSError, ValueError):           # no generation config: the tokenizer's EOS only
+        return ids
+    return ids | (set(eos if isinstance(eos, list) else [eos]) - {None})
+
+
 class PromptFormat:
     """How env text becomes model tokens (env_manager, and the controller's length check).
 
@@ -191,10 +203,16 @@ class PromptFormat:
     itself), then adds a user message and a new generation prompt. The pieces are read off the
     template once, by rendering a conversation with marker strings, so any template whose rendering
     of a longer conversation extends that of a shorter one works (the usual case: ChatML, Llama).
+
+    The engine stops on any of the model's EOS tokens (eos_ids: the tokenizer's and the generation
+    config's list; Qwen2.5-Instruct's has <|im_end|> and <|endoftext|>). Only the EOS the model
+    wrote is taken off the turn's closing text: ended on <|endoftext|>, the turn still gets its
+    <|im_end|>.
     """
 
-    def __init__(self, tokenizer, use_template: bool = True):
+    def __init__(self, tokenizer, use_template: bool = True, eos_ids: set[int] | None = None):
         self.tok = tokenizer
+        self.eos_ids = model_eos_ids(tokenizer) if eos_ids is None else set(eos_ids)
         self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
         if self.chat:
             x, y, o = "\x01X\x01", "\x01Y\x01", "\x01O\x01"
@@ -207,7 +225,6 @@ class PromptFormat:
                                  "shorter one; pass --no-chat-template")
             self.close_turn = a[a.index(y) + len(y):]               # e.g. "<|im_end|>\n"
             self.user_pre, self.user_post = b[len(a):].split(o)       # e.g. "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-            self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
 
     def first(self, text: str) -> list[int]:
         if not self.chat:
@@ -215,12 +232,16 @@ class PromptFormat:
         return list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                  add_generation_prompt=True, return_dict=False))
 
-    def next(self, text: str, ended_with_eos: bool) -> list[int]:
+    def next(self, text: str, last_token: int | None) -> list[int]:
+        """The tokens after the model's turn, whose last token was last_token (None: none, or a
+        turn cut by the budget), up to the next generation prompt."""
         if not self.chat:
             return self.tok.encode(text, add_special_tokens=False)
         close = self.close_turn
-        if ended_with_eos and self.eos_text and close.startswith(self.eos_text):
-            close = close[len(self.eos_text):]                        # the model wrote its EOS itself
+        if last_token in self.eos_ids:
+            eos_text = self.tok.decode([last_token])
+            if close.startswith(eos_text):
+                close = close[len(eos_text):]                         # the model wrote this EOS itself
         return self.tok.encode(close + self.user_pre + text + self.user_post, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:

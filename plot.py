@@ -10,8 +10,9 @@ are the samples it trains on (against the async ratio)?
 timeline.png, the asynchronous pipeline in wall-clock time (seconds from the first step shown):
 - "trainer": each step's collect (waiting for a batch), train, waiting for the previous sync's acks,
   and the weight broadcast;
-- per rollout rank, "sync": receive (the broadcast arriving while the engine generates), then the
-  engine's suspend, load and resume; and "requests": every engine request from start to finish, one
+- per rollout rank, "sync": the engine's suspend, load (the broadcast received into the engine,
+  weight_sync.py) and resume (runs recorded before weight_sync.py also show "receive": the broadcast
+  arriving at the rank while the engine generated); and "requests": every engine request from start to finish, one
   line each, stacked in lanes (the stack's height is the number in flight), coloured by the policy
   version of its tokens. A request whose tokens span a weight update (suspend mode "keep") changes
   colour at that rank's resume. Red shading: the engine is suspended.

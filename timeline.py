@@ -1,6 +1,6 @@
 """timeline.py: the events plot.py's timeline is drawn from, recorded while a run runs.
 
-    events = RankEvents(rank)           # a rollout rank: proxy.LLMProxy.events; train.py adds "receive"
+    events = RankEvents(rank)           # a rollout rank: proxy.LLMProxy.events; train.py adds engine_start
     ack.events = events.take()          # ... sent to rank 0 in the acks it already sends (env_manager.py)
     log = EventLog(path, cap, fresh)    # trainer rank 0: controller.AsyncController.events, runlog.RunLog
     log.add(e); log.extend(es)          # in memory, on the controller's path
@@ -15,13 +15,14 @@ draws whatever it is given). "ev" says what it is:
     step       version, collect / train / wait_sync / broadcast: [start, end] each: the trainer's step
                as the controller sees it (train = from the batch to the sync: advantages + optimizer
                step + gathering the weights; wait_sync = the previous sync's acks)
-    phase      rank, name (engine_start | receive | suspend | load | resume), version, t: [start, end]
+    phase      rank, name (engine_start | suspend | load | resume; receive in runs recorded before
+               weight_sync.py), version, t: [start, end]
     req        rank, t: [start, end], v: [version of its first token, of its last], n: tokens,
                finish: stop | length | abort   (one engine request: a turn of a trajectory)
     dropped    rank, n: request events a rank dropped (more than its cap between two acks)
     end        t, requests_not_written
 Where they come from: the proxy records each request and its engine's suspend, load and resume; the
-rollout rank (train.py) the engine's start and each receive; the controller each step's spans. The
+rollout rank (train.py) the engine's start; the controller each step's spans. The
 ranks' events travel to rank 0 in the acks they already send (buffer.Ack.events: SYNCED after
 every weight sync, STOPPED at the end); the protocol and its timing are unchanged (an ack then
 carries a few hundred events, about 30 KB: a few ms of pickling, off the trainer's path, since the

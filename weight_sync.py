@@ -122,6 +122,7 @@ class Sender:
         self.store, self.device = store, device
         self.spec0 = GroupSpec(host, port, prefix, 0, 1, 1, backend, timeout_s, bucket_bytes)
         self.pg, self.gen = None, None
+        self.buf = None           # the bucket being sent, bytes (kept: fresh memory costs page faults)
 
     def spec(self, gen: int, num_engines: int, workers_per_engine: int = 1) -> GroupSpec:
         return GroupSpec(**{**asdict(self.spec0), "gen": gen, "world_size": 1 + num_engines * workers_per_engine,
@@ -139,14 +140,21 @@ class Sender:
             if self.gen != spec.gen:      # a new generation: the old group (if any) is dropped
                 self.pg, self.gen = None, None
                 self.pg, self.gen = open_group(spec, 0, self.store), spec.gen
-            for b, idx in enumerate(plan_buckets(meta, spec.bucket_bytes)):
+            plan = plan_buckets(meta, spec.bucket_bytes)
+            largest = max((meta_bytes([meta[i] for i in idx]) for idx in plan), default=0)
+            if self.buf is None or self.buf.numel() < largest:   # one bucket, reused: no fresh pages per sync
+                self.buf = torch.empty(largest, dtype=torch.uint8, device=self.device)
+            for b, idx in enumerate(plan):
                 parts = []
                 for i in idx:
                     name, t = next(named)
                     if name != meta[i][0]:
                         raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
                     parts.append(t.detach().reshape(-1).to(self.device, getattr(torch, meta[i][2])))
-                broadcast(self.pg, torch.cat(parts), who, f"weight broadcast bucket {b} (gen {spec.gen})")
+                dtype = getattr(torch, meta[idx[0]][2])
+                flat = self.buf[:meta_bytes([meta[i] for i in idx])].view(dtype)
+                torch.cat(parts, out=flat)
+                broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})")
         except BaseException:
             self.pg, self.gen = None, None     # a group that failed once is not used again
             for _ in named:
@@ -178,17 +186,27 @@ class WeightSyncWorker:
         device = self.model_runner.device
         count, wait = [0], [0.0]
 
-        def tensors():            # bucket b is received when reload_weights asks for its first tensor
-            for b, idx in enumerate(plan_buckets(meta, spec.bucket_bytes)):
-                sizes = [torch.Size(meta[i][1]).numel() for i in idx]
-                flat = torch.empty(sum(sizes), dtype=getattr(torch, meta[idx[0]][2]), device=device)
+        plan = plan_buckets(meta, spec.bucket_bytes)
+
+        def post(b: int):         # start receiving bucket b (gloo/NCCL run it on their own thread/stream)
+            idx = plan[b]
+            flat = torch.empty(sum(torch.Size(meta[i][1]).numel() for i in idx), dtype=getattr(torch, meta[idx[0]][2]),
+                               device=device)
+            return flat, self._sync_pg.broadcast(flat, 0)
+
+        def tensors():            # bucket b + 1 arrives while reload_weights loads bucket b
+            pending = post(0) if plan else None
+            for b, idx in enumerate(plan):
+                flat, work = pending
                 t = time.monotonic()
                 try:
-                    broadcast(self._sync_pg, flat, who, f"weight broadcast bucket {b}")
-                    wait[0] += time.monotonic() - t
-                except RuntimeError:
-                    self._sync_gen = None          # this group is broken: the next sync forms a new one
-                    raise
+                    work.wait()
+                except RuntimeError as e:              # the group is broken: the next sync forms a new one
+                    self._sync_gen = None
+                    raise RuntimeError(f"{who}: weight broadcast bucket {b} failed or timed out: {e}") from None
+                wait[0] += time.monotonic() - t
+                pending = post(b + 1) if b + 1 < len(plan) else None
+                sizes = [torch.Size(meta[i][1]).numel() for i in idx]
                 for i, chunk in zip(idx, torch.split(flat, sizes)):
                     count[0] += 1
                     yield meta[i][0], chunk.view(meta[i][1])

@@ -56,7 +56,8 @@ def test_default_run_output_and_records(tmp_path):
     assert [e["version"] for e in events if e["ev"] == "step"] == [1, 2, 3]
     phases = {(e["name"], e["version"]) for e in events if e["ev"] == "phase"}
     for v in (1, 2, 3):
-        assert {("receive", v), ("load", v), ("resume", v)} <= phases
+        # (a suspend carries the version it leaves; load, the broadcast into the engine, the one it brings)
+        assert {("suspend", v - 1), ("load", v), ("resume", v)} <= phases
     reqs = [e for e in events if e["ev"] == "req"]
     assert len(reqs) >= 3 * 16 and {e["rank"] for e in reqs} == {0}
     assert all(0 <= e["v"][0] <= e["v"][1] <= 3 and e["t"][0] <= e["t"][1] for e in reqs)

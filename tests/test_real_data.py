@@ -192,17 +192,44 @@ def test_prompt_format_follows_a_chat_template(chat_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(chat_model["dir"])
     fmt = PromptFormat(tok)
-    assert fmt.chat and fmt.eos_text == "<|im_end|>"
+    assert fmt.chat and fmt.eos_ids == {tok.eos_token_id}
     first = fmt.first("What is 2+2?")
     action = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]       # the model ends its turn
-    obs = fmt.next("Right. Now 3+3?", ended_with_eos=True)
+    obs = fmt.next("Right. Now 3+3?", tok.eos_token_id)
     whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
                                      {"role": "user", "content": "Right. Now 3+3?"}], tokenize=True,
                                     add_generation_prompt=True, return_dict=False)
     assert first + action + obs == list(whole)
-    cut = fmt.next("More?", ended_with_eos=False)        # an action cut by the budget: the template closes it
+    cut = fmt.next("More?", None)                        # an action cut by the budget: the template closes it
     assert tok.decode(cut).startswith("<|im_end|>")
     assert PromptFormat(tok, use_template=False).first("hi") == tok.encode("hi")
+
+
+def test_a_model_with_two_eos_tokens_gets_a_well_formed_next_turn_whichever_it_stops_on(chat_model, tmp_path):
+    """Qwen2.5-Instruct's generation config stops on <|im_end|> and on <|endoftext|>: both are EOS.
+    Stopped on <|im_end|>, the template's own close, the next turn does not repeat it; stopped on
+    <|endoftext|>, the turn still gets its <|im_end|> (else the conversation never closes the turn)."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+    d = tmp_path / "two-eos"
+    shutil.copytree(chat_model["dir"], d)
+    tok = AutoTokenizer.from_pretrained(d)
+    im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(eos_token_id=[im_end, endoftext]).save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    fmt = PromptFormat(tok)
+    assert fmt.eos_ids == {im_end, endoftext}
+    first = fmt.first("What is 2+2?")
+    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                                     {"role": "user", "content": "Right. Now 3+3?"}], tokenize=False,
+                                    add_generation_prompt=True)
+    four = tok.encode("4", add_special_tokens=False)
+    on_im_end = tok.decode(first + four + [im_end] + fmt.next("Right. Now 3+3?", im_end))
+    on_endoftext = tok.decode(first + four + [endoftext] + fmt.next("Right. Now 3+3?", endoftext))
+    assert on_im_end == whole
+    assert on_endoftext == whole.replace("4<|im_end|>", "4<|endoftext|><|im_end|>")
+    assert on_endoftext.count("<|im_end|>") == whole.count("<|im_end|>")    # every turn closed once
 
 
 def test_an_evaluation_round_is_scored_apart_from_training():

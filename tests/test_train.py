@@ -187,7 +187,10 @@ def test_killed_process_leaves_nothing_behind(tmp_path, victim):
         assert [x["step"] for x in r] == list(range(1, 7))
         stats = json.loads((out / "rollout_stats.json").read_text())
         assert stats["rollout_ranks"][0]["engine_restarts"] == 1
-        assert all(x["sync_probe_max_diff"] < 1e-4 for x in r)   # the new engine holds the trainer's weights
+        # the new engine holds the trainer's weights (a sync its engine died in has no probe of its own:
+        # when the controller's resync comes before the next sync, its probe is reported instead)
+        diffs = [x["sync_probe_max_diff"] for x in r]
+        assert all(d is None or d < 1e-4 for d in diffs) and sum(d is None for d in diffs) <= 1 and diffs[-1] is not None
     else:
         assert p.returncode != 0
 

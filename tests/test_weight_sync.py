@@ -6,7 +6,6 @@ import dataclasses
 import multiprocessing
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -32,20 +31,16 @@ class RecordingRunner:
         return torch.nn.Module()
 
 
-def _worker(first_rank: int, specs: list, meta, out: str, die_at_bucket: int = -1):
+def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -1):
     """One engine worker: receive one sync per spec, save what was loaded after each."""
     w = WeightSyncWorker()
     w.model_runner, w.rank = RecordingRunner(), 0
-    if die_at_bucket >= 0:         # a worker that dies mid-broadcast (an engine crash)
-        import weight_sync
-        real, n = weight_sync.broadcast, [0]
-
-        def dying(pg, t, who, phase):
-            if n[0] == die_at_bucket:
-                os.kill(os.getpid(), signal.SIGKILL)
-            n[0] += 1
-            return real(pg, t, who, phase)
-        weight_sync.broadcast = dying
+    if die_at_tensor >= 0:         # a worker that dies mid-broadcast (an engine crash)
+        def dying(weights_iterator, is_checkpoint_format=True):
+            for k, _ in enumerate(weights_iterator):
+                if k == die_at_tensor:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        w.model_runner.reload_weights = dying
     for k, spec in enumerate(specs):
         w.receive_weights(spec, first_rank, meta)
         torch.save(w.model_runner.got, f"{out}.{first_rank}.{k}")
@@ -54,7 +49,7 @@ def _worker(first_rank: int, specs: list, meta, out: str, die_at_bucket: int = -
 def start_workers(specs, meta, out, ranks=(1, 2), die=None):
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, [dataclasses.asdict(s) for s in specs], meta, str(out),
-                                               die.get(r, -1) if die else -1)) for r in ranks]
+                                               (die or {}).get(r, -1))) for r in ranks]
     for p in procs:
         p.start()
     return procs
@@ -104,20 +99,24 @@ def test_a_new_generation_forms_a_new_group_and_mixed_dtypes_travel_as_they_are(
 
 
 def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and_the_iterator_is_drained(tmp_path):
-    sender = Sender(timeout_s=10, bucket_bytes=4096)
+    """Worker 2 dies on its first tensor, while 32 MB more are on their way (more than a socket
+    buffers): the sender fails within seconds, naming the bucket and the generation; it still pulls
+    every weight (FSDP's gathers behind the iterator); the other worker's receive fails too."""
+    big = [("x", torch.randn(1000)), ("big1", torch.randn(2048, 2048)), ("big2", torch.randn(2048, 2048))]
+    sender = Sender(timeout_s=10, bucket_bytes=4 << 20)
     spec = sender.spec(0, 2)
-    meta = weight_meta(NAMED)
-    procs = start_workers([spec], meta, tmp_path / "w", die={2: 1})
+    meta = weight_meta(big)
+    procs = start_workers([spec], meta, tmp_path / "w", die={2: 0})
     pulled = []
 
-    def source():                       # FSDP's gathers behind it: every weight must still be pulled
-        for n, t in NAMED:
+    def source():
+        for n, t in big:
             pulled.append(n)
             yield n, t
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"trainer rank 0: weight broadcast bucket \d+ \(gen 0\)"):
         sender.send(spec, source(), meta)
-    assert time.monotonic() - t0 < 30 and pulled == [n for n, _ in NAMED]
+    assert time.monotonic() - t0 < 30 and pulled == [n for n, _ in big]
     assert sender.pg is None                      # a failed group is not used again
     for p in procs:
         p.join(30)
