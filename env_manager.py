@@ -286,6 +286,8 @@ class EnvManager:
         self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
         self.restart_engine = restart_engine    # async () -> a new engine backend; None: an engine failure ends run()
         self.synced = False                     # a sync loaded weights that the model dir does not have
+        self.gen_seen = -1                      # the newest weight-sync group generation a SYNC named
+        self.min_gen = 0                        # the oldest this engine may join (a replaced one: a newer one)
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
         self.pool = RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s) if cfg.reward_workers > 0 else None
@@ -376,6 +378,13 @@ class EnvManager:
         v, t0 = cmd.version, now()
         first_rank = 1 + self.rank * (cmd.group.workers_per_engine if cmd.group else 1)
         probe, t1 = None, t0
+        if cmd.group is not None:
+            self.gen_seen = max(self.gen_seen, cmd.group.gen)
+            if cmd.group.gen < self.min_gen:   # formed with the engine this one replaced: never join it
+                await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(),
+                                              needs_weights=True, timings={"receive_s": 0.0, "load_s": 0.0},
+                                              events=self.proxy.take_events()))
+                return
         try:
             await self.proxy.suspend(self.cfg.suspend_mode)
             t1 = now()
@@ -493,6 +502,7 @@ class EnvManager:
         self.lost, self.engine_failure = [], None
         await self._flush()
         self.proxy.replace_engine(await self.restart_engine())
+        self.min_gen = self.gen_seen + 1        # its workers may only join a group formed after this
         self.counters["engine_restarts"] += 1
         if not self.synced:
             await self.proxy.resume()

@@ -603,7 +603,7 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
         run = asyncio.create_task(m.run())
-        await buf.send_command(0, Command(Cmd.SYNC, 3))
+        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # generation 0
         await acks_until(buf, Phase.SYNCED, 3)
         for i in range(4):
             await buf.put_task(add_task(f"t{i}", f"g{i}", target_len=1000))
@@ -617,17 +617,22 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         await buf.put_task(add_task("after", "g9"))
         await asyncio.sleep(20 * STEP)
         waiting = (m.proxy.status, fresh_engines[0].num_loads, buf.get_sample_nowait())
-        await buf.send_command(0, Command(Cmd.SYNC, 3))   # the controller's resync: same version, new group
+        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # the old generation: not joined
+        stale = (await acks_until(buf, Phase.SYNCED, 3))[-1]
+        loads_then = fresh_engines[0].num_loads
+        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec().with_gen(1)))   # the resync
         await acks_until(buf, Phase.SYNCED, 3)
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
-        return lost, detected, replaced, waiting, after, stats, fresh_engines
+        return lost, detected, replaced, (*waiting, stale.needs_weights, loads_then), after, stats, fresh_engines
     lost, detected, replaced, waiting, after, stats, fresh = run_virtual(main())
     assert sorted(s.task_id for s in lost) == ["t0", "t1", "t2", "t3"]
     assert all(s.failed and s.meta["engine_lost"] and not s.meta["retrying"] for s in lost)
     assert detected <= 30.0 + 30.0 / 8 + 1                # within the proxy's timeout (+ one watchdog period)
     assert (replaced.rank, replaced.version) == (0, 3)
-    assert waiting == (Status.SUSPENDED, 0, None)          # nothing generated with the model dir's weights
+    # nothing generated with the model dir's weights; a SYNC over the group its predecessor was in is
+    # refused (needs_weights, nothing received: its keys name the dead worker), the next generation loads
+    assert waiting == (Status.SUSPENDED, 0, None, True, 0)
     assert len(fresh) == 1 and fresh[0].num_loads == 1     # the new engine got the resync ...
     assert not after.failed and set(after.versions) == {3}  # ... at its version, and serves new work
     assert (stats["engine_restarts"], stats["samples_lost_to_engine"]) == (1, 4)
