@@ -11,7 +11,7 @@ kinds and phases named by the Cmd and Phase enums: the protocol lives here, in o
 controller.py's docstring has the table of who sends what and which timeout bounds it.
 
 Transport is a small swappable detail:
-- LocalQueues: asyncio queues in one process (unit tests and sim.py, including virtual time);
+- LocalQueues: asyncio queues in one process (unit tests and tools/sim.py, including virtual time);
 - ManagerQueues: multiprocessing.managers queues served over TCP by trainer rank 0 on the master
   address with an authkey (train.py under torchrun, also across nodes). Every call moves a list of
   items in one round trip (the controller admits a round of tasks at once, a rollout rank sends the

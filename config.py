@@ -3,7 +3,7 @@
     cfg = parse_cli(Config, doc=__doc__)                   # every dataclass field is a --flag
     ccfg = sub_config(ControllerConfig, cfg, timeout_s=60)  # the fields of the same name, + overrides
 
-Each entry point (train.py, sim.py) has one dataclass; each component (controller, env manager,
+Each entry point (train.py, tools/sim.py) has one dataclass; each component (controller, env manager,
 trainer) has its own and validates its own fields in __post_init__. sub_config copies the fields two
 configs share by name, so a field is declared once per component, validated once by the component
 that owns it, and never copied by hand.
@@ -33,7 +33,7 @@ def flag(name: str) -> str:
 def parse_cli(cls, argv=None, doc: str | None = None, positional: tuple[str, ...] = ()):
     """Parse argv into dataclass `cls`: one flag per field (bools get --x/--no-x), the field's
     metadata["help"] as help; the fields named in `positional` are required positional arguments
-    instead (plot.py RUN_DIR). A ValueError from the config's validation becomes a usage error."""
+    instead (tools/plot.py RUN_DIR). A ValueError from the config's validation becomes a usage error."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         help = f.metadata.get("help", "")

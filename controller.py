@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
 from config import flag
-from proxy import now   # event-loop time: real in train.py, virtual in sim.py
+from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
 from task import Problem
 
 
@@ -304,7 +304,8 @@ class AsyncController:
     async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None,
                            group=None) -> dict:
         """Send SYNC to every rollout rank and broadcast (send_fn(group), a blocking collective with
-        the engines' workers, run in a thread); return when the broadcast is done. Each rank then
+        the engines' workers, run in a thread; or a coroutine function, awaited: the simulator's model
+        of the transfer); return when the broadcast is done. Each rank then
         resumes and acks SYNCED on its own while the trainer goes on; those acks are awaited at the
         next call (one sync in flight at most) or by finish_sync(). meta: the weights' (name, shape,
         dtype); group: the weight-sync group's spec (weight_sync.GroupSpec, any generation).
@@ -350,7 +351,10 @@ class AsyncController:
             for r in range(self.num_ranks):
                 await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe, group=group))
             try:
-                await asyncio.to_thread(self.send_fn, group)
+                if asyncio.iscoroutinefunction(self.send_fn):
+                    await self.send_fn(group)             # the simulator's model of the transfer
+                else:
+                    await asyncio.to_thread(self.send_fn, group)
                 return
             except Exception as e:
                 if attempt == 2:

@@ -28,8 +28,8 @@ Model of one vLLM engine with continuous batching and a paged KV cache (vLLM V1'
 Simplifications, on purpose: no token budget per step (vLLM's max_num_batched_tokens / chunked
 prefill: a long prefill is one step here, not split over several); no prefix caching (every sample
 prefills its own prompt); preemption by recompute only (no swap). The constants' units are seconds
-and tokens of this engine; sim.py derives them for an 8B model on an 80 GB GPU, and
-sim_vs_real.py fits them to real vLLM CPU engines.
+and tokens of this engine; tools/sim.py derives them for an 8B model on an 80 GB GPU, and
+tools/sim_vs_real.py fits them to real vLLM CPU engines.
 """
 
 import asyncio
@@ -60,7 +60,7 @@ class _FakeRequest:
 
 
 class FakeTimedEngine:
-    """Fake, timed engine (no model): for tests and sim.py, never for training."""
+    """Fake, timed engine (no model): for tests and tools/sim.py, never for training."""
 
     def __init__(self, t0: float = 0.02, k: float = 0.0002, max_num_seqs: int = 256,
                  length_sampler=None, respond=None, vocab_size: int = 64, load_s: float = 0.5,

@@ -5,7 +5,7 @@ own, the caller gets it back the moment it ends (so its reward can start at once
 change under running requests. Here:
 
     proxy = await LLMProxy.start_vllm(model_dir, rank=r)     # real vLLM AsyncLLM (engine-core subprocess)
-    proxy = LLMProxy(FakeTimedEngine(...), rank=r)            # timed fake, for unit tests and sim.py
+    proxy = LLMProxy(FakeTimedEngine(...), rank=r)            # timed fake, for unit tests and tools/sim.py
     c = await proxy.generate(prompt_ids, Sampling(max_tokens=16))   # -> Completion
     await proxy.suspend("keep"); await proxy.update_weights(meta, 3, spec); await proxy.resume()   # weight_sync.py
 
@@ -238,7 +238,7 @@ class LLMProxy:
         self._busy_s = 0.0
         self._busy_since: float | None = None
         # optional timeline.RankEvents: wall-clock (time.time()) records of requests and of the weight
-        # update's phases, for plot.py's timeline; train.py turns it on, None records nothing
+        # update's phases, for tools/plot.py's timeline; train.py turns it on, None records nothing
         self.events = None
 
     def take_events(self) -> list[dict] | None:

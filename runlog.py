@@ -6,7 +6,7 @@
     log.step(step, version, info, train, sync, time_train, time_step)   # a row, the tracker, the progress line
     log.finish()                                    # the summary at the end
 
-Files in out_dir: metrics.jsonl (a row per step, always), events.jsonl (the timeline for plot.py,
+Files in out_dir: metrics.jsonl (a row per step, always), events.jsonl (the timeline for tools/plot.py,
 unless --max-events 0; its format and size bound: timeline.py), tensorboard/ (--tracker
 tensorboard). Trackers (--tracker) get the same keys as metrics.jsonl, every numeric one (a None,
 e.g. sync_probe_max_diff of a sync that was not probed, is left out), on rank 0 only; their
@@ -270,7 +270,7 @@ class RunLog:
             f"  files      {self.path}" + (f", {self.events.path}" if self.events is not None else "")
             + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
             + f"; checkpoint {self.out / 'checkpoint'}",
-            f"  pictures   python plot.py {self.out}"]
+            f"  pictures   python -m tools.plot {self.out}"]
         if self.events is not None and (self.events.requests_not_written or self.events.requests_dropped_by_ranks):
             lines.append(f"  timeline   {self.events.requests_not_written + self.events.requests_dropped_by_ranks} "
                          f"request events not written (over --max-events {self.cfg.max_events} or a rank's cap)")

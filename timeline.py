@@ -1,4 +1,4 @@
-"""timeline.py: the events plot.py's timeline is drawn from, recorded while a run runs.
+"""timeline.py: the events tools/plot.py's timeline is drawn from, recorded while a run runs.
 
     events = RankEvents(rank)           # a rollout rank: proxy.LLMProxy.events; train.py adds engine_start
     ack.events = events.take()          # ... sent to rank 0 in the acks it already sends (env_manager.py)
@@ -7,10 +7,10 @@
     log.flush()                         # to events.jsonl, after each step and at the end
 
 events.jsonl, one JSON object per line; times are time.time() seconds. One clock for every process:
-this assumes the ranks of a run share a node (or NTP-synchronised clocks across nodes; plot.py
+this assumes the ranks of a run share a node (or NTP-synchronised clocks across nodes; tools/plot.py
 draws whatever it is given). "ev" says what it is:
     start      t, rollout_ranks, async_ratio, step (where this session starts), steps  (every session;
-               a resumed run appends, and plot.py draws the last session)
+               a resumed run appends, and tools/plot.py draws the last session)
     ready      t: the engines acked READY (start-up ends)
     step       version, collect / train / wait_sync / broadcast: [start, end] each: the trainer's step
                as the controller sees it (train = from the batch to the sync: advantages + optimizer
@@ -40,7 +40,7 @@ from pathlib import Path
 
 
 def _round(x):
-    """Times to 0.1 ms: smaller lines, and far finer than anything plot.py draws."""
+    """Times to 0.1 ms: smaller lines, and far finer than anything tools/plot.py draws."""
     if isinstance(x, float):
         return round(x, 4)
     if isinstance(x, list):

@@ -203,7 +203,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sft-steps", type=int, default=TinyConfig.sft_steps)
     ap.add_argument("--quiet", action="store_true", help="print nothing when the cached model is reused")
-    # a bigger model of the same kind, e.g. the weight-sync benchmark's 103M one (bench_weight_sync.py):
+    # a bigger model of the same kind, e.g. the weight-sync benchmark's 103M one (tools/bench_weight_sync.py):
     # --hidden 1024 --layers 8 --heads 16 --intermediate 2816 --sft-steps 0 (random weights)
     ap.add_argument("--hidden", type=int, default=TinyConfig.hidden)
     ap.add_argument("--layers", type=int, default=TinyConfig.num_layers)

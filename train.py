@@ -21,7 +21,7 @@ Rollout never waits for training, except during the weight sync and where the as
 admission. --async-ratio 0 is the synchronous baseline in the same code.
 
 What rank 0 prints and records (metrics.jsonl, events.jsonl, --tracker, the summary): runlog.py;
-library logs stay at warning level unless --verbose: quiet.py; pictures of a run: plot.py.
+library logs stay at warning level unless --verbose: quiet.py; pictures of a run: tools/plot.py.
 """
 
 import asyncio
@@ -135,7 +135,7 @@ class Config:
     verbose: bool = opt(False, "show every library log line (vLLM INFO, progress bars); default: warnings and errors only")
     tracker: str = opt("none", "also send metrics.jsonl's rows to: none | tensorboard | wandb | trackio (rank 0)")
     tracker_project: str = opt("roll-flash-nano", "project name for --tracker wandb / trackio (the run is named after out_dir)")
-    max_events: int = opt(100_000, "request events kept in out_dir/events.jsonl for plot.py's timeline; 0 = no events file")
+    max_events: int = opt(100_000, "request events kept in out_dir/events.jsonl for tools/plot.py's timeline; 0 = no events file")
 
     def __post_init__(self):
         if self.resume not in ("no", "yes", "auto"):

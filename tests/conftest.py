@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# vLLM's engine core and worker processes import proxy.WeightLoaderExtension by name
+# vLLM's worker processes import weight_sync.WeightSyncWorker by name
 os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 

@@ -86,7 +86,7 @@ def test_colocate_needs_ratio_0_and_equal_gpus(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_colocate_is_refused_without_gpus(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
-    from jobs import free_port_pair
+    from tools.jobs import free_port_pair
     r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
                         str(free_port_pair()), "train.py", "--colocate", "--async-ratio", "0", "--out-dir",
                         str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -99,7 +99,7 @@ def test_colocate_is_refused_without_gpus(tmp_path):
 
 def torchrun(tmp_path, nproc, *args):
     sys.path.insert(0, str(Path(__file__).parent))
-    from jobs import free_port_pair
+    from tools.jobs import free_port_pair
     out = tmp_path / "run"
     r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
                         "--master-port", str(free_port_pair()), "train.py", "--out-dir", str(out), "--steps", "3",

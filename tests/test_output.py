@@ -1,6 +1,6 @@
 """What a user sees, on a real run (torchrun, 1 trainer + 1 vLLM engine, the default layout, 3 small
 steps): no INFO lines or progress bars from the libraries, the step lines with an ETA, the summary,
-and in out_dir the events plot.py needs and tensorboard scalars equal to metrics.jsonl."""
+and in out_dir the events tools/plot.py needs and tensorboard scalars equal to metrics.jsonl."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import free_port_pair
+from tools.jobs import free_port_pair
 from test_train import kill_tree
 
 pytestmark = pytest.mark.engine
@@ -46,7 +46,7 @@ def test_default_run_output_and_records(tmp_path):
     assert [x.split("|")[0].split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
     assert all(re.search(r"\| eta \d", x) for x in steps)
     assert "run done: 3 steps in" in text and "(first 1 steps) ->" in text and "wait for rollout" in text
-    assert f"python plot.py {out}" in text
+    assert f"python -m tools.plot {out}" in text
     assert len(lines) < 30, text                     # the whole output, start to summary
 
     # events.jsonl: the trainer's steps, each sync's phases on the rank, the engine's requests
@@ -71,7 +71,7 @@ def test_default_run_output_and_records(tmp_path):
         assert [(e.step, e.value) for e in acc.Scalars(key)] == \
             [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
 
-    # and plot.py draws it
-    r = subprocess.run([sys.executable, "plot.py", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # and tools/plot.py draws it
+    r = subprocess.run([sys.executable, "-m", "tools.plot", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "timeline.png").stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""plot.py on a recorded run (no engines): the PNGs, their panels, the timeline's figures.
+"""tools/plot.py on a recorded run (no engines): the PNGs, their panels, the timeline's figures.
 
 tests/data/run_small is the metrics.jsonl and events.jsonl of a real run (checkpoint removed):
     torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1 --steps 6 --batch-groups 4 \\
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import plot
-from plot import PlotConfig, Timeline, lanes, length, subtract, union
+from tools import plot
+from tools.plot import PlotConfig, Timeline, lanes, length, subtract, union
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "tests" / "data" / "run_small"
@@ -34,11 +34,11 @@ def test_plot_writes_the_pngs_with_their_panels(tmp_path):
 
 
 def test_the_command_line_takes_the_run_dir(tmp_path):
-    r = subprocess.run([sys.executable, "plot.py", str(RUN), "--out-dir", str(tmp_path)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tools.plot", str(RUN), "--out-dir", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "metrics.png").exists() and (tmp_path / "timeline.png").exists()
-    r = subprocess.run([sys.executable, "plot.py", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "no metrics.jsonl" in r.stderr
 

@@ -78,7 +78,7 @@ def test_the_whole_system_on_a_real_looking_model_and_long_prompts(chat_model, t
     from proxy import LLMProxy
     out = tmp_path / "run"
     sys.path.insert(0, str(Path(__file__).parent))
-    from jobs import free_port_pair
+    from tools.jobs import free_port_pair
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port_pair()), "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
            "--model", str(chat_model["dir"]), "--data", str(chat_model["data"]), "--steps", "3", "--max-tokens", "16",

@@ -120,7 +120,7 @@ def test_progress_line_has_an_eta_and_the_summary_adds_up(tmp_path, capsys):
     # of 10 s: wait 2 x 0.5, train 2 x 1.0, sync 2 x 0.25, the rest 6 s
     assert "wait for rollout 10% | train 20% | weight sync 5% | rest 65%" in s
     assert "3 dropped as stale, 4 groups filtered" in s
-    assert f"python plot.py {tmp_path}" in s and str(tmp_path / "events.jsonl") in s
+    assert f"python -m tools.plot {tmp_path}" in s and str(tmp_path / "events.jsonl") in s
 
 
 def test_eval_metrics_are_summarised_when_present(tmp_path):

@@ -1,11 +1,11 @@
-"""sim.py on small settings: it drives the real AsyncController / SampleBuffer / EnvManager / LLMProxy code in
+"""tools/sim.py on small settings: it drives the real AsyncController / SampleBuffer / EnvManager / LLMProxy code in
 virtual time and its results are sane. Every number here is virtual time; nothing measures wall time."""
 
 from dataclasses import replace
 
 import pytest
 
-import sim
+from tools import sim
 
 # 2 rollout engines x 8 slots, 1 trainer GPU, 4 prompts x 4 samples, long-tailed lengths (median 1k, cap 8k)
 TINY = sim.SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=4, max_num_seqs=8,
@@ -119,8 +119,22 @@ def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
 
 
 def test_sim_vs_real_fit_recovers_constants_and_never_goes_negative():
-    import sim_vs_real
+    from tools import sim_vs_real
     rows = [(n, c, 0.012 + 0.0005 * n + 1e-6 * n * c) for n in (1, 4, 16, 64) for c in (15, 50)]
     assert sim_vs_real.fit(rows) == pytest.approx((0.012, 0.0005, 1e-6), rel=1e-6)
     rows = [(n, c, 0.01 + 0.001 * n - 1e-6 * n * c) for n in (1, 4, 16, 64) for c in (15, 50)]
     assert min(sim_vs_real.fit(rows)) >= 0
+
+
+@pytest.mark.parametrize("name", ["queue", "envasync"])
+def test_the_committed_table_is_what_the_simulator_prints(name, tmp_path, monkeypatch):
+    """results/NAME.md comes from main (`python -m tools.sim all`): the fast experiments run again here
+    and print the committed table line for line (the simulator is deterministic; only the real-time
+    note in the header may differ)."""
+    from pathlib import Path
+    monkeypatch.setattr(sim, "RESULTS", tmp_path)
+    sim.run_experiment(name, {})
+    committed = (Path(__file__).resolve().parent.parent / "results" / f"{name}.md").read_text().splitlines()
+    got = (tmp_path / f"{name}.md").read_text().splitlines()
+    timeless = lambda lines: [x for x in lines if "s of real time" not in x]
+    assert timeless(got) == timeless(committed), f"results/{name}.md is stale: run python -m tools.sim all"

@@ -1,4 +1,4 @@
-"""study.py (the off-policy study), run for real with tiny settings: one engine, two short runs and a
+"""tools/study.py (the off-policy study), run for real with tiny settings: one engine, two short runs and a
 freshest-first run, the files it writes, and the figures each run must carry."""
 
 import json
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_study_runs_and_writes_its_table_and_plot(tmp_path):
-    r = subprocess.run([sys.executable, "study.py", "--losses", "decoupled_ppo", "--ratios", "0,2", "--seeds", "0",
+    r = subprocess.run([sys.executable, "-m", "tools.study", "--losses", "decoupled_ppo", "--ratios", "0,2", "--seeds", "0",
                         "--steps", "3", "--batch-groups", "4", "--group-size", "4", "--redundant", "2",
                         "--eval-prompts", "8", "--eval-k", "2", "--out-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -1,8 +1,8 @@
 """bench_chaos.py: a run that heals itself. SIGKILL a random rank at a random time, again and again;
 torchrun restarts the ranks and the run resumes from its last complete checkpoint on its own.
 
-    .venv/bin/python bench_chaos.py                         # 10 kills, 60 steps, a checkpoint every 5 (~10 min)
-    .venv/bin/python bench_chaos.py --kills 3 --steps 20
+    .venv/bin/python -m tools.bench_chaos                         # 10 kills, 60 steps, a checkpoint every 5 (~10 min)
+    .venv/bin/python -m tools.bench_chaos --kills 3 --steps 20
 
 The job: `torchrun --max-restarts K ... train.py --resume auto --save-every N` (the default layout).
 While it runs, after each (re)start has trained at least one step, wait a random time (--min-wait-s
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import job_tree, split_args, torchrun_cmd
+from tools.jobs import job_tree, split_args, torchrun_cmd
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 
 def steps_done(out: Path) -> list[int]:

@@ -1,8 +1,8 @@
 """soak.py: a long run with faults injected, watched for leaks.
 
-    .venv/bin/python soak.py                       # 30 minutes, async ratio 2, 10% env failures, 5% hangs
-    .venv/bin/python soak.py --minutes 3 -- --batch-groups 8      # extra args after -- go to train.py
-    .venv/bin/python soak.py --engine-rounds 8     # one engine alone: its memory over 8 x 10k requests
+    .venv/bin/python -m tools.soak                       # 30 minutes, async ratio 2, 10% env failures, 5% hangs
+    .venv/bin/python -m tools.soak --minutes 3 -- --batch-groups 8      # extra args after -- go to train.py
+    .venv/bin/python -m tools.soak --engine-rounds 8     # one engine alone: its memory over 8 x 10k requests
 
 The job is the default layout (`torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1`)
 at --async-ratio 2 with --env-fail-rate 0.1 --env-hang-rate 0.05 (a hung env call fails after
@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import job_tree, split_args, torchrun_cmd
+from tools.jobs import job_tree, split_args, torchrun_cmd
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 
 def sample(root_pid: int) -> dict:

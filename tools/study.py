@@ -1,7 +1,7 @@
 """study.py: the paper's Takeaway 4 measured for real: do off-policy losses train as well asynchronously?
 
-    .venv/bin/python study.py                               # the whole study (constants below), ~26 min
-    .venv/bin/python study.py --losses ppo,tis --ratios 0,8 --seeds 0 --steps 10    # a quick look
+    .venv/bin/python -m tools.study                               # the whole study (constants below), ~26 min
+    .venv/bin/python -m tools.study --losses ppo,tis --ratios 0,8 --seeds 0 --steps 10    # a quick look
 
 The claim (ROLL Flash, Takeaway 4): with off-policy corrections, training at async ratio 2 or 8
 reaches the same reward as synchronous training. Here: every loss in LOSSES at every ratio in RATIOS,
@@ -44,7 +44,7 @@ LR = 3e-4                  # train.py's default (1e-3 collapses even synchronous
 EVAL_PROMPTS = 256         # held-out problems, the same for every run (mean@4 over 1024 samples: +-0.015)
 EVAL_K = 4                 # samples per held-out problem at temperature 1 (mean@k)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 
 async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sender, initial, model_dir,
@@ -198,7 +198,7 @@ async def main(args):
     (out / "study.json").write_text(json.dumps({"constants": vars(args), "initial": start, "runs": runs}, indent=1))
     wall = time.monotonic() - t0
     (out / "study.md").write_text(
-        f"`python study.py {' '.join(sys.argv[1:])}`: {len(runs)} runs of {args.steps} steps x {args.batch_groups}x"
+        f"`python -m tools.study {' '.join(sys.argv[1:])}`: {len(runs)} runs of {args.steps} steps x {args.batch_groups}x"
         f"{args.group_size} samples, {args.mini_batches} mini-batches, lr {args.lr}; the initial policy's held-out "
         f"reward (mean@{args.eval_k} over {args.eval_prompts} problems) is {start:.3f}; {wall / 60:.1f} min in all.\n\n"
         + table(runs) + "\n")

@@ -1,7 +1,7 @@
 """bench.py: the paper's rollout speedups, measured for real on this machine, side by side in one run.
 
-    .venv/bin/python bench.py                     # 2 real vLLM CPU engines + the real trainer, ~4 min
-    .venv/bin/python bench.py --steps 10 --batch-groups 8 --group-size 8
+    .venv/bin/python -m tools.bench                     # 2 real vLLM CPU engines + the real trainer, ~4 min
+    .venv/bin/python -m tools.bench --steps 10 --batch-groups 8 --group-size 8
 
 Real parts: two vLLM engines (one core each) behind LLMProxy, the project's EnvManager, AsyncController,
 SampleBuffer and Trainer (real optimizer steps on the tiny model), real weight updates into the engines

@@ -4,7 +4,7 @@ side by side in one run, on the real system (torchrun train.py, 1 trainer rank +
     git worktree add ../before 314ce2d                 # the last commit of the old path
     .venv/bin/python tiny_model.py --out-dir .cache/qwen2-103m --hidden 1024 --layers 8 --heads 16 \
         --intermediate 2816 --sft-steps 0              # the 103M model (random weights; ~2 min, once)
-    .venv/bin/python bench_weight_sync.py --before ../before      # ~8 min on 2 cores
+    .venv/bin/python -m tools.bench_weight_sync --before ../before      # ~8 min on 2 cores
 
 before: trainer rank 0 -> gloo broadcast -> the rollout rank -> .cpu() -> safetensors bytes ->
 collective_rpc("stage_weights") -> the engine's worker -> reload_weights; the rank receives while
@@ -37,9 +37,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobs import torchrun_cmd
+from tools.jobs import torchrun_cmd
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 RUNS = {   # name -> (train.py args, model dir or None for the embedded default)
     "103M": (["--batch-groups", "2", "--group-size", "4", "--max-tokens", "4", "--no-filter-groups"], ".cache/qwen2-103m"),
     "default": ([], None),

@@ -1,7 +1,7 @@
 """plot.py: pictures of a run, from its out_dir (metrics.jsonl and events.jsonl, format in timeline.py).
 
-    python plot.py runs/default                          # -> runs/default/metrics.png, timeline.png
-    python plot.py runs/r0 --compare runs/r2 --out-dir results/timeline   # + timeline_compare.png
+    python -m tools.plot runs/default                          # -> runs/default/metrics.png, timeline.png
+    python -m tools.plot runs/r0 --compare runs/r2 --out-dir results/timeline   # + timeline_compare.png
 
 metrics.png, one panel per question, per step: is it learning (reward, and any eval_* metric)?
 where does a step's time go (waiting for rollout / training / weight sync / the rest)? how stale

@@ -1,7 +1,7 @@
 """sim_vs_real.py: the simulator's engine model against real vLLM engines, on this machine.
 
-    .venv/bin/python sim_vs_real.py                  # 2 vLLM CPU engines, one core each; ~4 min
-    .venv/bin/python sim_vs_real.py --repeats 3      # the spread over repeats (the cores are shared)
+    .venv/bin/python -m tools.sim_vs_real                  # 2 vLLM CPU engines, one core each; ~4 min
+    .venv/bin/python -m tools.sim_vs_real --repeats 3      # the spread over repeats (the cores are shared)
 
 Per repeat:
 1. calibrate: keep n requests in flight on each real engine (n in N_SWEEP, prompts of PROMPT_LENS
@@ -83,7 +83,7 @@ async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
     """Both engines at once (as in a run: they share the front-end process), each in closed loops over
     N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> broadcast into
     both engines and load -> resume), one broadcast to both engines as in a run."""
-    import bench
+    from tools import bench
     from weight_sync import push
     rows = []
     for plen in PROMPT_LENS:
@@ -112,7 +112,7 @@ async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
 async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dict:
     """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual).
     sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
-    import bench
+    from tools import bench
     from buffer import LocalQueues, SampleBuffer
     from controller import AsyncController, ControllerConfig
     from env_manager import EnvManager, RolloutConfig
@@ -126,7 +126,10 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
 
     meta = weight_meta(weights)
     group = sender.spec(0, len(proxies)) if sender else None
-    send = (lambda g: sender.send(g, weights, meta)) if sender else (lambda g: None)
+    async def modelled_send(group):         # fake engines: the trainer waits until every engine has the weights
+        while any(p.version <= ctrl.version for p in proxies):
+            await asyncio.sleep(0.005)
+    send = (lambda g: sender.send(g, weights, meta)) if sender else modelled_send
     rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, async_ratio=alpha, max_total_tokens=124)
     managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
     runs = [asyncio.ensure_future(m.run()) for m in managers]

@@ -1,8 +1,8 @@
 """bench_proxy.py: what the proxy costs. Same requests through LLMProxy vs straight into AsyncLLM,
 on one real vLLM engine, interleaved in one run; plus the weight update time.
 
-    .venv/bin/python bench_proxy.py                      # tiny model, 512 requests x 64 tokens, 6 rounds
-    .venv/bin/python bench_proxy.py --model DIR --num-requests 512 --max-tokens 128
+    .venv/bin/python -m tools.bench_proxy                      # tiny model, 512 requests x 64 tokens, 6 rounds
+    .venv/bin/python -m tools.bench_proxy --model DIR --num-requests 512 --max-tokens 128
 
 Prints one JSON object: raw and proxy tokens/s per round, proxy/raw throughput ratio (median of
 rounds), and the weight update phases (suspend, load, resume) in ms, median over updates; load is the

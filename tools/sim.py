@@ -1,13 +1,13 @@
 """sim.py: the project's own scheduling code at cluster scale, in fast-forwarded virtual time.
 
-    python sim.py queue          # queue scheduling vs batch rollout, 8x8, 0 and 16 redundant prompts
-    python sim.py replication    # prompt replication on/off at 64x16 and 16x32
-    python sim.py envasync       # env-level async rollout vs lockstep envs (latency 10 +- 10 s), + redundant envs
-    python sim.py scaling        # async vs sync, 16..128 GPUs, same GPU budget
-    python sim.py split          # rollout/train split sweep on 40 GPUs
-    python sim.py ratio          # async ratio 0, 1, 2, 4, 8
-    python sim.py calibrate      # time split of one synchronous colocated step (the constants' check)
-    python sim.py all            # everything; each writes results/NAME.md and results/NAME.png
+    python -m tools.sim queue          # queue scheduling vs batch rollout, 8x8, 0 and 16 redundant prompts
+    python -m tools.sim replication    # prompt replication on/off at 64x16 and 16x32
+    python -m tools.sim envasync       # env-level async rollout vs lockstep envs (latency 10 +- 10 s), + redundant envs
+    python -m tools.sim scaling        # async vs sync, 16..128 GPUs, same GPU budget
+    python -m tools.sim split          # rollout/train split sweep on 40 GPUs
+    python -m tools.sim ratio          # async ratio 0, 1, 2, 4, 8
+    python -m tools.sim calibrate      # time split of one synchronous colocated step (the constants' check)
+    python -m tools.sim all            # everything; each writes results/NAME.md and results/NAME.png
     common flags: --steps N (per run; default 4) --warmup N (async runs; default 2) --seed N --chunk TOKENS
 
 What runs for real: controller.AsyncController (admission under the async ratio, group assembly,
@@ -17,9 +17,10 @@ envs.LatencyEnv / envs.FaultyEnv. All of it on one looptime event loop whose clo
 next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds. The glue here:
 - trainer: the loop of train.py (collect -> train -> sync_weights) with training as a sleep of
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
-- weight sync: the real protocol (controller.sync_weights, EnvManager._sync) with no group (the
-  trainer's send is a no-op); the engine is paused for the whole transfer, as in the paper, so the
-  fake engine's receive_weights sleeps broadcast_s + load_s while suspended and counts the load;
+- weight sync: the real protocol (controller.sync_weights, EnvManager._sync) with no group: the
+  engine is paused for the whole transfer, as in the paper, so the fake engine's receive_weights
+  sleeps broadcast_s + load_s while suspended and counts the load, and the trainer's send waits
+  until every engine has the new weights (as weight_sync.py's broadcast holds the trainer);
 - engines: fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
   budget of kv_tokens (admission while the blocks fit, preemption + recompute when they run out),
   step time t0 + k * running + k_ctx * context tokens + k_prefill * prefilled tokens; the
@@ -85,7 +86,7 @@ from fake_engine import FakeTimedEngine
 from proxy import LLMProxy
 from task import Problem
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 @dataclass
@@ -376,7 +377,12 @@ async def _simulate(cfg: SimConfig) -> dict:
             tokens = sum(s.num_tokens for s in batch) * cfg.chunk
             await asyncio.sleep(train_time(cfg, tokens, T))
             t2 = loop.time()
-            await ctrl.sync_weights(ctrl.version + 1, lambda group: None)   # the engines model the transfer
+            v = ctrl.version + 1
+
+            async def send(group, v=v):          # the trainer's side of the broadcast: until every engine has it
+                while any(p.version < v for p in proxies):
+                    await asyncio.sleep(0.05)
+            await ctrl.sync_weights(v, send)     # (the engines model the transfer: suspended, then load_s)
             rows.append({**info, "t_end": loop.time(), "time_rollout": t1 - t0, "time_train": t2 - t1,
                          "time_sync": loop.time() - t2, "tokens": tokens,
                          "tokens_generated": sum(p.num_tokens for p in proxies) * cfg.chunk})
@@ -707,7 +713,7 @@ def run_experiment(name: str, overrides: dict):
     fn, base = EXPERIMENTS[name]
     t = time.time()
     title, lines, plot = fn(replace(base, **overrides))
-    lines = [f"# {title}", "", f"`python sim.py {name}` (virtual time; {time.time() - t:.0f} s of real time)", ""] + lines
+    lines = [f"# {title}", "", f"`python -m tools.sim {name}` (virtual time; {time.time() - t:.0f} s of real time)", ""] + lines
     print("\n".join(lines) + "\n", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

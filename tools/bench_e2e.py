@@ -1,7 +1,7 @@
 """bench_e2e.py: the whole system against a plain synchronous loop, to the same reward, in one run.
 
-    .venv/bin/python bench_e2e.py                      # naive, then the system at ratio 0 and 2 (~6 min)
-    .venv/bin/python bench_e2e.py --steps 80 --target 0.5 --seeds 0 1
+    .venv/bin/python -m tools.bench_e2e                      # naive, then the system at ratio 0 and 2 (~6 min)
+    .venv/bin/python -m tools.bench_e2e --steps 80 --target 0.5 --seeds 0 1
 
 Three ways to train the embedded tiny model on the default task, with the same seed, task, batch
 (--batch-groups x --group-size), response budget, learning rate and loss:
@@ -29,9 +29,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobs import torchrun_cmd
+from tools.jobs import torchrun_cmd
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 
 def reached(rewards: list[float], target: float, window: int = 10) -> int | None:

@@ -1,7 +1,7 @@
 """profile_step.py: where a default step's time goes, in every process of the job (py-spy).
 
-    .venv/bin/python profile_step.py                   # the default run, profiled for 20 s after 15 steps
-    .venv/bin/python profile_step.py --seconds 30 -- --async-ratio 0     # extra args go to train.py
+    .venv/bin/python -m tools.profile_step                   # the default run, profiled for 20 s after 15 steps
+    .venv/bin/python -m tools.profile_step --seconds 30 -- --async-ratio 0     # extra args go to train.py
 
 It starts the default run (`torchrun train.py`, the default layout), waits until `--skip` steps
 are done (start-up and warm-up are not a step), then samples every process of the job with py-spy
@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs import job_tree, split_args, torchrun_cmd
+from tools.jobs import job_tree, split_args, torchrun_cmd
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 # (process, phase, regex over the stack): first match wins. Process names: see process_of().
 PHASES = [
