@@ -38,6 +38,7 @@ import asyncio
 import enum
 import itertools
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -103,8 +104,9 @@ class Completion:
 class VLLMEngine:
     """The backend calls over a vLLM AsyncLLM engine (public API only)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, ipc_dir: str | None = None):
         self.llm = llm
+        self.ipc_dir = ipc_dir    # this engine's ZMQ IPC sockets (VLLM_RPC_BASE_PATH), removed at shutdown
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
@@ -138,7 +140,19 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
             worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
             **engine_kwargs)
-        return cls(AsyncLLM.from_engine_args(args))
+        # vLLM leaves its IPC sockets in the temp dir (thousands after a few runs): each engine gets a
+        # dir of its own, removed at shutdown (an explicit VLLM_RPC_BASE_PATH from the user wins)
+        ipc_dir = None
+        if "VLLM_RPC_BASE_PATH" not in os.environ or os.environ.get("_ROLL_IPC_OWNED") == "1":
+            import tempfile
+            ipc_dir = tempfile.mkdtemp(prefix="vllm-ipc-")
+            os.environ["VLLM_RPC_BASE_PATH"], os.environ["_ROLL_IPC_OWNED"] = ipc_dir, "1"
+        try:
+            return cls(AsyncLLM.from_engine_args(args), ipc_dir)
+        except BaseException:
+            if ipc_dir:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
 
     @property
     def dead(self) -> bool:
@@ -204,6 +218,8 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None  # drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, noisily
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 Reference logprobs come from transformers on the same float32 weights; they agree within 1e-4."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -195,6 +196,9 @@ def test_several_updates_land_exactly_untied_embeddings(tiny_model_dir, tmp_path
     proxy = lt.run(LLMProxy.start_vllm(str(tmp_path), rank=0, timeout_s=120))
     try:
         check_updates_land(lt, proxy, model, tok, tied=False)
+        ipc = proxy.engine.ipc_dir                    # the engine's IPC sockets live in a dir of its own ...
+        assert ipc and os.listdir(ipc)
     finally:
         proxy.shutdown()
         lt.close()
+    assert not os.path.exists(ipc)                    # ... removed at shutdown (vLLM leaves them in /tmp)
