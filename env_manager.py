@@ -381,10 +381,7 @@ class EnvManager:
         if cmd.group is not None:
             self.gen_seen = max(self.gen_seen, cmd.group.gen)
             if cmd.group.gen < self.min_gen:   # formed with the engine this one replaced: never join it
-                await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(),
-                                              needs_weights=True, timings={"receive_s": 0.0, "load_s": 0.0},
-                                              events=self.proxy.take_events()))
-                return
+                return await self._ack_synced(v, {"receive_s": 0.0, "load_s": 0.0}, needs_weights=True)
         try:
             await self.proxy.suspend(self.cfg.suspend_mode)
             t1 = now()
@@ -405,16 +402,16 @@ class EnvManager:
             group_broke = "weight-sync" in str(e) and not getattr(self.proxy.engine, "dead", False)
             if not group_broke:
                 await self._recover(e, report=False)
-            await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), needs_weights=True,
-                                          timings={"receive_s": t2 - t1, "load_s": now() - t0},
-                                          events=self.proxy.take_events()))
+            await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0}, needs_weights=True)
             if not group_broke:
                 await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
             return
         vllm_load = max((w["total_s"] - w["wait_s"] for w in workers or []), default=0.0)   # (the fake: none)
-        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, v, engine=self.proxy.stats(), probe=probe,
-                                      timings={"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load},
-                                      events=self.proxy.take_events()))
+        await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load}, probe=probe)
+
+    async def _ack_synced(self, version: int, timings: dict, **fields):
+        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, version, engine=self.proxy.stats(), timings=timings,
+                                      events=self.proxy.take_events(), **fields))
 
     async def _pull_tasks(self):
         """Start tasks while there are free slots, at most one task of a group per poll period when

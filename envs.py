@@ -185,9 +185,12 @@ def model_eos_ids(tokenizer) -> set[int]:
     """Every token the engine stops on: the tokenizer's EOS and the ids in the model dir's
     generation_config.json (vLLM stops on all of them)."""
     ids = {tokenizer.eos_token_id} - {None}
+    model_dir = getattr(tokenizer, "name_or_path", "")
+    if not model_dir:                       # a tokenizer built in memory: no model dir to read
+        return ids
     try:
         from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(getattr(tokenizer, "name_or_path", "") or ".").eos_token_id
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except (OSError, ValueError):           # no generation config: the tokenizer's EOS only
         return ids
     return ids | (set(eos if isinstance(eos, list) else [eos]) - {None})

@@ -239,11 +239,10 @@ class FakeTimedEngine:
         self.asleep = False
 
     async def receive_weights(self, spec, first_rank: int, meta):
-        """The weight sync, modelled: load_s seconds (transfer + load); no group is joined, the
-        meta is kept for tests (the real engine: weight_sync.WeightSyncWorker)."""
+        """The weight sync, modelled: load_s seconds (transfer + load); no group is joined (the real
+        engine: weight_sync.WeightSyncWorker)."""
         if self.asleep:
             raise RuntimeError("fake engine: receive_weights while asleep (vLLM needs wake_up first)")
-        self.last_meta = meta
         await asyncio.sleep(self.load_s)
         self.num_loads += 1
 

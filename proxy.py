@@ -141,18 +141,19 @@ class VLLMEngine:
             worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
             **engine_kwargs)
         # vLLM leaves its IPC sockets in the temp dir (thousands after a few runs): each engine gets a
-        # dir of its own, removed at shutdown (an explicit VLLM_RPC_BASE_PATH from the user wins)
-        ipc_dir = None
-        if "VLLM_RPC_BASE_PATH" not in os.environ or os.environ.get("_ROLL_IPC_OWNED") == "1":
-            import tempfile
-            ipc_dir = tempfile.mkdtemp(prefix="vllm-ipc-")
-            os.environ["VLLM_RPC_BASE_PATH"], os.environ["_ROLL_IPC_OWNED"] = ipc_dir, "1"
+        # dir of its own, removed at shutdown. Set only while the engine starts (its processes inherit
+        # it), so that no later child (a torchrun rank) takes a removed dir for a user's setting.
+        if os.environ.get("VLLM_RPC_BASE_PATH"):      # the user's own: theirs to clean
+            return cls(AsyncLLM.from_engine_args(args))
+        import tempfile
+        ipc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="vllm-ipc-")
         try:
             return cls(AsyncLLM.from_engine_args(args), ipc_dir)
         except BaseException:
-            if ipc_dir:
-                shutil.rmtree(ipc_dir, ignore_errors=True)
+            shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
+        finally:
+            del os.environ["VLLM_RPC_BASE_PATH"]
 
     @property
     def dead(self) -> bool:

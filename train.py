@@ -304,6 +304,7 @@ class TrainerRanks:
 
     def __init__(self, trainer, cfg: Config, group, model_dir: str, probe_ids: list[int]):
         self.trainer, self.cfg, self.group, self.model_dir, self.probe_ids = trainer, cfg, group, model_dir, probe_ids
+        self.sender = None     # rank 0: weight_sync.Sender, set once the run's store is known
 
     def train(self, batch, advantages: list[float], version: int, probe: bool):
         """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
@@ -315,11 +316,10 @@ class TrainerRanks:
     def save(self, state: dict):
         self._run({"op": "save", "state": state})
 
-    def send_weights(self, sender, group, meta):
+    def send_weights(self, group, meta):
         """The weights into every engine over `group` (weight_sync.GroupSpec): each trainer rank
-        gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket. Runs in the
-        controller's thread while rank 0's event loop waits."""
-        self.sender = sender
+        gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket (self.sender,
+        set on rank 0). Runs in the controller's thread while rank 0's event loop waits."""
         self._run({"op": "send", "group": group, "meta": meta})
 
     def probe(self) -> list[float]:
@@ -436,8 +436,9 @@ def run_trainer(cfg: Config, rank: int, device: str, groups: Groups, model_dir: 
                     backend="nccl" if device.startswith("cuda") else "gloo", device=device,
                     timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_mb << 20)
     group = sender.spec(0, cfg.rollout_gpus)
-    meta = weight_meta(trainer.weight_names(), cfg.dtype)
-    send = functools.partial(ranks.send_weights, sender, meta=meta)
+    ranks.sender = sender
+    meta = weight_meta(trainer.named_weights(), cfg.dtype)
+    send = functools.partial(ranks.send_weights, meta=meta)
 
     def probe_due(version: int) -> bool:
         return cfg.check_sync_every > 0 and version % cfg.check_sync_every == 0

@@ -270,7 +270,7 @@ class Trainer:
         return token_logprobs(self.model, ids, torch.ones_like(ids))[0, 1:].tolist()
 
     # --- weights out
-    def weight_names(self) -> list[tuple[str, torch.Tensor]]:
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of what the engines load, without gathering (a sharded DTensor knows its
         full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it."""
         return [(n, v) for n, v in self.model.state_dict().items() if not (self.tied and n == "lm_head.weight")]
@@ -279,7 +279,7 @@ class Trainer:
         """(HF name, full tensor on this rank's device), one weight at a time: under FSDP each is one
         all-gather, so the extra memory is one weight, not the model. Collective: every trainer rank
         iterates it to the end, in the same order."""
-        for name, v in self.weight_names():
+        for name, v in self.named_weights():
             yield name, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:

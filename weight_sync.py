@@ -128,22 +128,20 @@ class Sender:
         return GroupSpec(**{**asdict(self.spec0), "gen": gen, "world_size": 1 + num_engines * workers_per_engine,
                             "workers_per_engine": workers_per_engine})
 
-    def send(self, spec: GroupSpec, named, meta: Meta, who: str = "trainer rank 0") -> float:
+    def send(self, spec: GroupSpec, named, meta: Meta, who: str = "trainer rank 0"):
         """Broadcast `named` ((name, tensor) in meta's order; an iterator is consumed once, bucket by
-        bucket, so the sender's extra memory is one bucket) over spec's group; returns seconds.
-        Collective with every worker's receive. On a failure the iterator is still drained before
-        the error is raised: FSDP's gathers behind it are collectives of every trainer rank."""
-        import time
-        t0 = time.monotonic()
+        bucket, so the sender's extra memory is one bucket) over spec's group. Collective with
+        every worker's receive. On a failure the iterator is still drained before the error is
+        raised: FSDP's gathers behind it are collectives of every trainer rank."""
         named = iter(named)
         try:
-            if self.gen != spec.gen:      # a new generation: the old group (if any) is dropped
-                self.pg, self.gen = None, None
+            if self.gen != spec.gen:      # a new generation: drop the old group (if any) before forming it
+                self.pg = None
                 self.pg, self.gen = open_group(spec, 0, self.store), spec.gen
             plan = plan_buckets(meta, spec.bucket_bytes)
-            largest = max((meta_bytes([meta[i] for i in idx]) for idx in plan), default=0)
-            if self.buf is None or self.buf.numel() < largest:   # one bucket, reused: no fresh pages per sync
-                self.buf = torch.empty(largest, dtype=torch.uint8, device=self.device)
+            nbytes = [meta_bytes([meta[i] for i in idx]) for idx in plan]
+            if self.buf is None or self.buf.numel() < max(nbytes, default=0):   # one bucket, reused: no fresh pages
+                self.buf = torch.empty(max(nbytes), dtype=torch.uint8, device=self.device)
             for b, idx in enumerate(plan):
                 parts = []
                 for i in idx:
@@ -152,7 +150,7 @@ class Sender:
                         raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
                     parts.append(t.detach().reshape(-1).to(self.device, getattr(torch, meta[i][2])))
                 dtype = getattr(torch, meta[idx[0]][2])
-                flat = self.buf[:meta_bytes([meta[i] for i in idx])].view(dtype)
+                flat = self.buf[:nbytes[b]].view(dtype)
                 torch.cat(parts, out=flat)
                 broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})")
         except BaseException:
@@ -160,7 +158,6 @@ class Sender:
             for _ in named:
                 pass
             raise
-        return time.monotonic() - t0
 
 
 class WeightSyncWorker:
@@ -187,11 +184,10 @@ class WeightSyncWorker:
         count, wait = [0], [0.0]
 
         plan = plan_buckets(meta, spec.bucket_bytes)
+        sizes = [[torch.Size(meta[i][1]).numel() for i in idx] for idx in plan]    # elements per tensor
 
         def post(b: int):         # start receiving bucket b (gloo/NCCL run it on their own thread/stream)
-            idx = plan[b]
-            flat = torch.empty(sum(torch.Size(meta[i][1]).numel() for i in idx), dtype=getattr(torch, meta[idx[0]][2]),
-                               device=device)
+            flat = torch.empty(sum(sizes[b]), dtype=getattr(torch, meta[plan[b][0]][2]), device=device)
             return flat, self._sync_pg.broadcast(flat, 0)
 
         def tensors():            # bucket b + 1 arrives while reload_weights loads bucket b
@@ -206,8 +202,7 @@ class WeightSyncWorker:
                     raise RuntimeError(f"{who}: weight broadcast bucket {b} failed or timed out: {e}") from None
                 wait[0] += time.monotonic() - t
                 pending = post(b + 1) if b + 1 < len(plan) else None
-                sizes = [torch.Size(meta[i][1]).numel() for i in idx]
-                for i, chunk in zip(idx, torch.split(flat, sizes)):
+                for i, chunk in zip(idx, torch.split(flat, sizes[b])):
                     count[0] += 1
                     yield meta[i][0], chunk.view(meta[i][1])
 

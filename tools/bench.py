@@ -60,7 +60,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
                       version=version)
     # every configuration reuses generation 0 of the sender's group (the same engines: no replacement)
-    group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.weight_names())
+    group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)     # in sync_weights' thread
     rcfg = RolloutConfig(max_concurrency=args.max_concurrency, async_ratio=ccfg.async_ratio, max_total_tokens=124)
     managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]

@@ -380,8 +380,9 @@ async def _simulate(cfg: SimConfig) -> dict:
             v = ctrl.version + 1
 
             async def send(group, v=v):          # the trainer's side of the broadcast: until every engine has it
-                while any(p.version < v for p in proxies):
-                    await asyncio.sleep(0.05)
+                async with asyncio.timeout(cfg.timeout_s):   # (virtual seconds)
+                    while any(p.version < v for p in proxies):
+                        await asyncio.sleep(0.05)
             await ctrl.sync_weights(v, send)     # (the engines model the transfer: suspended, then load_s)
             rows.append({**info, "t_end": loop.time(), "time_rollout": t1 - t0, "time_train": t2 - t1,
                          "time_sync": loop.time() - t2, "tokens": tokens,

@@ -127,8 +127,9 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     meta = weight_meta(weights)
     group = sender.spec(0, len(proxies)) if sender else None
     async def modelled_send(group):         # fake engines: the trainer waits until every engine has the weights
-        while any(p.version <= ctrl.version for p in proxies):
-            await asyncio.sleep(0.005)
+        async with asyncio.timeout(300):    # (TimeoutError: the modelled weight sync never ended)
+            while any(p.version <= ctrl.version for p in proxies):
+                await asyncio.sleep(0.005)
     send = (lambda g: sender.send(g, weights, meta)) if sender else modelled_send
     rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, async_ratio=alpha, max_total_tokens=124)
     managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]

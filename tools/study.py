@@ -71,7 +71,7 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
                                             async_ratio=ratio, redundant=args.redundant, sample_order=order,
                                             timeout_s=300), buffer, problem_stream(None, seed, make=task.make_problem),
                            1, version=version)
-    group, meta = sender.spec(0, 1), weight_meta(trainer.weight_names())
+    group, meta = sender.spec(0, 1), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)   # in sync_weights' thread
     manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(async_ratio=ratio, max_tokens=8,
                                                                     max_total_tokens=128))
