@@ -1,29 +1,21 @@
 """buffer.py: the SampleBuffer. Shared task and sample queues, per-sample versions, freshness.
 
     controller (trainer rank 0)                      rollout ranks (env_manager.py)
-      put_task(RolloutTask)  ---- task queue ---->     get_task()
-      get_sample()           <--- sample queue ----    put_sample(Sample)
-      send_command(rank, Command) -- command queues ->  get_command()     (weight sync, aborts, stop)
+      put_tasks([RolloutTask])  -- task queue ---->   get_tasks_nowait(n)
+      get_sample()           <--- sample queue ----    put_samples([Sample])
+      send_command(rank, Command) -- command queues ->  get_command_nowait(rank)   (weight sync, aborts, stop)
       get_ack()              <--- ack queue -------    put_ack(Ack)
 
-The messages on the command and ack queues are the Command and Ack dataclasses below, with their
-kinds and phases named by the Cmd and Phase enums: the protocol lives here, in one place, and
-controller.py's docstring has the table of who sends what and which timeout bounds it.
+What lives here:
+- the control protocol's messages, in one place: Command and Ack, their kinds and phases named by
+  the Cmd and Phase enums (who sends what, and which timeout bounds it: DESIGN.md#controllerpy);
+- the transport: LocalQueues (asyncio, one process: tests, tools/sim.py) or ManagerQueues (served
+  over TCP by trainer rank 0 with an authkey: train.py), a list of items per round trip, wrapped by
+  SampleBuffer, whose methods are async and all take a timeout;
+- fresh(oldest_version, version, async_ratio), the one place the paper's async-ratio rule lives;
+- GroupAssembler: GRPO groups by group_id, with the freshness rule and dynamic filtering.
 
-Transport is a small swappable detail:
-- LocalQueues: asyncio queues in one process (unit tests and tools/sim.py, including virtual time);
-- ManagerQueues: multiprocessing.managers queues served over TCP by trainer rank 0 on the master
-  address with an authkey (train.py under torchrun, also across nodes). Every call moves a list of
-  items in one round trip (the controller admits a round of tasks at once, a rollout rank sends the
-  samples that finished since its last loop, the controller fetches every sample waiting); an empty
-  queue is polled with a short sleep, so an event loop is never blocked by a queue.
-Both are wrapped by `SampleBuffer`, whose methods are async and all take a timeout: a queue that stays
-empty past it raises TimeoutError naming the queue and the caller.
-
-Freshness (the paper's async ratio alpha): a sample is usable for the update that produces version
-v + 1 (trainer at version v) only if its oldest token came from a policy no older than v - alpha.
-`fresh(oldest_version, version, async_ratio)` is the one place that rule lives: the controller drops
-and counts samples that fail it, and the env managers abort running work that can no longer pass it.
+Design notes: DESIGN.md#bufferpy
 """
 
 import asyncio
@@ -92,7 +84,8 @@ def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
 class Cmd(enum.StrEnum):
     SYNC = "sync"                  # load weights `version`: suspend, receive into the engine, resume, ack
     ABORT_GROUPS = "abort_groups"  # the controller no longer wants these groups: abort their work
-    SLEEP = "sleep"                # --colocate: end all work, free the engine's memory for training (ack SLEPT)
+    SLEEP = "sleep"                # --colocate: end all work, free the engine's memory for training
+                                   # (ack SLEPT)
     STOP = "stop"                  # end the rollout loop (ack STOPPED)
 
 
@@ -109,7 +102,8 @@ class Command:
     kind: Cmd
     version: int | None = None             # SYNC: the version being loaded
     meta: list | None = None               # SYNC: (name, shape, dtype) per weight, the receiver's bucket plan
-    group: object = None                   # SYNC: the weight-sync group to receive over (weight_sync.GroupSpec)
+    group: object = None                   # SYNC: the weight-sync group to receive over
+                                           # (weight_sync.GroupSpec)
     probe: bool = False                    # SYNC: score the probe sequence after loading (ack.probe)
     group_ids: list[str] = field(default_factory=list)   # ABORT_GROUPS
 
@@ -120,11 +114,15 @@ class Ack:
     phase: Phase
     version: int | None = None             # SYNCED: the version of the SYNC being acked
     engine: dict | None = None             # READY, SYNCED: proxy.stats() (busy/idle seconds...)
-    probe: list[float] | None = None       # READY, and SYNCED with Command.probe: engine logprobs of the probe
-    timings: dict | None = None            # SYNCED: receive_s (transfer into the engine), load_s (suspend + that + resume), vllm_load_s
-    needs_weights: bool = False            # SYNCED: the broadcast failed; the engine waits, suspended, for a new SYNC
+    probe: list[float] | None = None       # READY, and SYNCED with Command.probe:
+                                           # engine logprobs of the probe
+    timings: dict | None = None            # SYNCED: receive_s (transfer into the engine),
+                                           # load_s (suspend + that + resume), vllm_load_s
+    needs_weights: bool = False            # SYNCED: the broadcast failed;
+                                           # the engine waits, suspended, for a new SYNC
     stats: dict | None = None              # STOPPED: the env manager's counters
-    events: list[dict] | None = None       # SYNCED, STOPPED: the rank's timeline events since its last ack (timeline.py)
+    events: list[dict] | None = None       # SYNCED, STOPPED: the rank's timeline events
+                                           # since its last ack (timeline.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,15 +241,16 @@ class ManagerQueues:
             try:
                 probe.bind((host, port))
             except OSError as e:
-                raise OSError(f"buffer: the queue server's port {host}:{port} is in use ({e.strerror}): another "
-                              f"run on this MASTER_PORT (the queue server takes MASTER_PORT + 1)? Pick another "
-                              f"--master-port") from None
+                raise OSError(f"buffer: the queue server's port {host}:{port} is in use ({e.strerror}): "
+                              f"another run on this MASTER_PORT (the queue server takes MASTER_PORT + 1)? "
+                              f"Pick another --master-port") from None
         m = _QueueManager(address=(host, port), authkey=authkey)
         m.start(initializer=die_with_parent)    # the server process ends with trainer rank 0, even on SIGKILL
         return cls(m, num_ranks)
 
     @classmethod
-    def connect(cls, host: str, port: int, authkey: bytes, num_ranks: int, timeout_s: float = 120) -> "ManagerQueues":
+    def connect(cls, host: str, port: int, authkey: bytes, num_ranks: int,
+                timeout_s: float = 120) -> "ManagerQueues":
         deadline = time.monotonic() + timeout_s
         while True:  # the server may not be up yet: retry until the deadline
             try:
@@ -311,14 +310,12 @@ class SampleBuffer:
         try:
             return await asyncio.wait_for(self.t.get_many(name, max_items, rank), timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s during {phase}") from None
+            raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s "
+                               f"during {phase}") from None
 
     # controller side
     async def put_tasks(self, tasks: list[RolloutTask]):
         await self.t.put_many("tasks", tasks)
-
-    async def put_task(self, t: RolloutTask):
-        await self.put_tasks([t])
 
     async def get_sample(self, timeout: float | None = None) -> Sample:
         if not self.inbox:          # one round trip fetches every sample waiting
@@ -340,22 +337,12 @@ class SampleBuffer:
         return self.t.qsize("tasks")
 
     # rollout side
-    async def get_task(self, timeout: float | None = None) -> RolloutTask:
-        return (await self._get_many("tasks", "wait for a task", timeout=timeout, max_items=1))[0]
-
     def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
         return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []
-
-    def get_task_nowait(self) -> RolloutTask | None:
-        got = self.get_tasks_nowait(1)
-        return got[0] if got else None
 
     async def put_samples(self, samples: list[Sample]):
         if samples:
             await self.t.put_many("samples", samples)
-
-    async def put_sample(self, s: Sample):
-        await self.put_samples([s])
 
     def get_command_nowait(self, rank: int) -> Command | None:
         got = self.t.get_many_nowait("commands", 1, rank)
@@ -411,10 +398,12 @@ class GroupAssembler:
         self.order = order
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
-        self.dead: set[str] = set()       # groups that can no longer complete (stale, or a sample given up on)
+        self.dead: set[str] = set()       # groups that can no longer complete
+                                          # (stale, or a sample given up on)
         self.closed: set[str] = set()     # groups completed (ready, taken or filtered)
-        self.resolved: collections.deque[tuple[int, str]] = collections.deque()   # (version, id) into closed/dead
-        self.resolved_at: dict[str, int] = {}                                     # id -> its latest such version
+        # (version, id) into closed/dead; id -> its latest such version
+        self.resolved: collections.deque[tuple[int, str]] = collections.deque()
+        self.resolved_at: dict[str, int] = {}
         self.samples_dropped_stale = 0
         self.samples_filtered = 0
         self.samples_failed = 0
@@ -422,7 +411,8 @@ class GroupAssembler:
         self.groups_filtered = 0
         self.groups_dropped_stale = 0
         self.groups_failed = 0            # groups with a sample the rollout side gave up on
-        self.last_failed: Sample | None = None          # examples for error messages (controller's stall report)
+        # examples for error messages (controller's stall report)
+        self.last_failed: Sample | None = None
         self.last_filtered: list[Sample] | None = None
 
     def _fresh(self, s: Sample, version: int) -> bool:
@@ -442,7 +432,8 @@ class GroupAssembler:
         if s.failed:
             self.samples_failed += 1
             self.last_failed = s
-            if not s.meta.get("retrying", True) and s.group_id not in self.closed and s.group_id not in self.dead:
+            if (not s.meta.get("retrying", True) and s.group_id not in self.closed
+                    and s.group_id not in self.dead):
                 # the rollout side gave up on this sample: its group can never complete (counted
                 # once: a group already lost, say as stale, is not lost again)
                 dropped = self.pending.pop(s.group_id, [])

@@ -1,49 +1,16 @@
-"""controller.py: the AsyncController, on trainer rank 0.
+"""controller.py: the AsyncController (on trainer rank 0) and rl_step, the loop every runner shares.
 
-Each training step is schedule -> run -> postprocess:
+    step = await rl_step(ctrl, train, send, meta, group)   # collect -> advantages -> train -> sync weights
+    # = batch, info = await ctrl.collect()                  # admit prompts under the async ratio, B groups
+    #   ... train on the batch ...
+    #   sync = await ctrl.sync_weights(version + 1, send, meta, group=spec)   # into the engines
 
-    batch, info = await ctrl.collect()          # admit prompts under the async ratio, gather B groups
-    ... trainer.train_step(batch) on every trainer rank ...
-    sync = await ctrl.sync_weights(version + 1, send_fn, meta, group=spec)   # suspend -> broadcast into the engines -> resume
-
-Admission (the async ratio alpha): the trainer at version v consumes B groups per step, and a
-sample may be at most alpha versions older than the trainer that uses it. So the controller keeps
-at most (v - v0 + alpha + 1) * B groups "alive" (admitted and not yet lost; v0 = the version the
-controller started at) plus `redundant` extra groups, the head start that dynamic filtering burns.
-alpha = 0 is the synchronous baseline in the same code: one batch admitted, collected, trained on,
-weights updated, repeat. A group that is filtered or dropped as stale frees its place, so more
-prompts are admitted to replace it.
-
-Rollout modes:
-- "queue": a step ends as soon as B good groups are in; unfinished ones run on (alpha > 0) or are
-  aborted when they can no longer be fresh.
-- "batch": the paper's batch-rollout baseline: the step waits for every admitted group to finish
-  (a barrier), then takes B; if filtering left fewer than B, another round is admitted.
-
-The control protocol (buffer.Command / buffer.Ack over the SampleBuffer's queues):
-
-| message | sender -> receiver | carries | bounded by |
-|---|---|---|---|
-| Ack READY | each rollout rank -> controller | rank, engine stats, the probe's logprobs (initial weights) | wait_ready: timeout_s |
-| Cmd SYNC | controller -> each rollout rank | version, meta (the weights' names, shapes, dtypes), the group to receive over, probe flag | - |
-| (the broadcast) | trainer rank 0 -> every engine's workers | the weights, in buckets (weight_sync.py) | the weight-sync group's timeout |
-| Ack SYNCED | rollout rank -> controller | rank, version, engine stats, probe logprobs, receive/load times, timeline events, needs_weights | next sync_weights or finish_sync: timeout_s; rank side: sync_timeout_s |
-| Ack REPLACED | rollout rank -> controller | rank: its engine was replaced after the first sync and waits for weights | checked while collecting and before each SYNC |
-| Cmd ABORT_GROUPS | controller -> each rollout rank | group ids no longer wanted | - |
-| Cmd SLEEP | controller -> each rollout rank (--colocate) | - | - |
-| Ack SLEPT | rollout rank -> controller | rank: its engine released its memory | sleep_engines: timeout_s |
-| Cmd STOP | controller -> each rollout rank | - | - |
-| Ack STOPPED | rollout rank -> controller | rank, the env manager's counters, timeline events | stop: timeout_s |
-
-A weight sync, overlapped with training: sync_weights sends SYNC and broadcasts; each rank suspends
-its engine, whose workers receive the broadcast straight into the model, resumes
-(env_manager.EnvManager._sync) and acks SYNCED. The trainer waits only for the broadcast: it moves on to the next step, and the
-SYNCED acks are awaited at the start of the next sync_weights (so one sync is in flight at most) or
-by finish_sync. The controller's version is the trainer's: it moves on at the broadcast, so a sample
-generated in the few milliseconds before its engine loads counts as one version older, never newer.
-A wait that times out names the ranks that did not ack and the phase. An engine replaced after a
-failure holds none of the synced weights: its rank acks REPLACED and the controller syncs the current
-version again over a new weight-sync group (generation + 1), at once if it is collecting.
+Admission (async ratio alpha): at version v at most (v - v0 + alpha + 1) * B groups are alive, plus
+--redundant ones for dynamic filtering; alpha = 0 is the synchronous baseline in the same code.
+Rollout modes: "queue" ends a step as soon as B good groups are in; "batch" (the paper's baseline)
+waits for every admitted group (a barrier). The trainer waits only for the broadcast of a weight
+sync; the SYNCED acks are awaited by the next sync_weights (one sync in flight at most).
+The command/ack protocol, its table and its timeouts: DESIGN.md#controllerpy.
 """
 
 import asyncio
@@ -52,28 +19,34 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
-from config import flag
+from config import flag, opt
+from losses import group_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
 from task import Problem
 
 
 @dataclass
 class ControllerConfig:
-    batch_groups: int = 16        # B: prompts (groups) per training step
-    group_size: int = 8           # G: samples per prompt (GRPO group)
-    async_ratio: int = 2          # alpha: max versions a trained sample may lag the trainer
-    redundant: int = 0            # extra prompts admitted per step for dynamic filtering
-    replicate: bool = True        # prompt replication: a group's samples are independent tasks
-    rollout_mode: str = "queue"   # "queue" or "batch" (barrier baseline)
-    filter_groups: bool = True     # drop groups whose rewards are all equal (DAPO dynamic sampling)
-    sample_order: str = "oldest"   # which complete groups train first: oldest | freshest (buffer.GroupAssembler)
-    env: str = ""                 # "" single-turn RLVR, else an environment name
-    env_redundancy: int = 0       # extra trajectories per env group; the first G to finish are kept
-    timeout_s: float = 600.0      # max wait for a sample or an ack; also: no new ready group for this long = a stall
-    max_model_len: int = 0        # engine context, tokens: single-turn prompts that leave no room are refused (0: no check)
-    heartbeat_s: float = 10.0     # while collecting a step, a progress line this often (given a log), seconds
+    batch_groups: int = opt(32, "B: prompts (GRPO groups) per training step")
+    group_size: int = opt(8, "G: samples per prompt")
+    async_ratio: int = opt(2, "max policy versions a trained sample may lag the trainer; 0 = synchronous")
+    redundant: int = opt(4, "extra prompts admitted per step for dynamic filtering")
+    replicate: bool = opt(True, "prompt replication: a prompt's samples spread over all engines")
+    rollout_mode: str = opt("queue", "queue (per-sample scheduling) | batch (barrier baseline)")
+    filter_groups: bool = opt(True, "dynamic filtering: drop groups whose rewards are all equal (DAPO)")
+    sample_order: str = opt("oldest", "complete groups go to the trainer " + " | ".join(ORDERS)
+                            + " first (within the async ratio)")
+    env: str = opt("", "multi-turn environment name (envs.ENVS); empty = single-turn RLVR")
+    env_redundancy: int = opt(0, "multi-turn: extra trajectories per group; the first group-size to finish "
+                                 "are kept")
+    timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing (also: no new "
+                                  "ready group for this long is a stall)")
+    heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
 
     def __post_init__(self):
         for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
@@ -87,18 +60,19 @@ class ControllerConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
         if self.filter_groups and self.group_size < 2:
-            raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample always has "
-                             f"all-equal rewards, so every group would be filtered and no batch could form; "
+            raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
+                             f"always has all-equal rewards, so every group would be filtered and no batch "
+                             f"could form; "
                              f"use --group-size >= 2")
         from envs import ENVS
         if self.env not in ENVS:
-            raise ValueError(f"--env {self.env!r}: no such environment; known: {', '.join(k for k in ENVS if k)} "
-                             f"(empty: single-turn RLVR)")
+            raise ValueError(f"--env {self.env!r}: no such environment; known: "
+                             f"{', '.join(k for k in ENVS if k)} (empty: single-turn RLVR)")
 
 
 class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
-                 version: int = 0, prompt_len=None, log=None):
+                 version: int = 0, prompt_len=None, max_model_len: int = 0, log=None):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
@@ -112,6 +86,8 @@ class AsyncController:
         self.problem_of: dict[str, Problem] = {}   # unresolved groups' problems (a lost one is re-admitted)
         self.readmit: collections.deque[Problem] = collections.deque()   # problems to admit again first
         self.prompt_len = prompt_len           # (Problem) -> its prompt's tokens as the engine will see them
+        # the engines' context: longer single-turn prompts are refused (0: no check)
+        self.max_model_len = max_model_len
         self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
         self.prompts_rejected = 0
         self.eval_round: dict | None = None    # the evaluation round in flight (start_eval)
@@ -119,16 +95,16 @@ class AsyncController:
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
         self.samples_unconsumed = 0            # samples still queued at stop (counted, never trained)
-        self.trained_groups: dict[str, int] = {}   # group -> version it was trained at (recent ones: duplicates)
+        self.trained_groups: dict[str, int] = {}   # group -> version trained at (recent ones: duplicates)
         self.acks: list[Ack] = []              # acks received but not yet waited for
-        self.in_flight: tuple | None = None    # (version, probe_ref) of the sync whose SYNCED acks are awaited
+        self.in_flight: tuple | None = None    # (version, probe_ref) of the sync awaiting its SYNCED acks
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
         # the weight sync's transport (set by each sync_weights): send_fn(group) broadcasts the trainer's
         # current weights over `group` (weight_sync.GroupSpec; None: engines without one, the fake)
         self.send_fn, self.meta, self.group = None, None, None
-        self.probe_ref = None                  # the trainer's probe logprobs of the last sync (None: not probed)
-        self.gen = 0                           # the weight-sync group's generation: +1 after an engine is replaced
+        self.probe_ref = None                  # trainer's probe logprobs of the last sync (None: not probed)
+        self.gen = 0                           # the weight-sync group's generation: +1 per replaced engine
         self.resyncs = 0                       # syncs done again for replaced engines
         self._t_replaced_check = 0.0
         # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
@@ -143,7 +119,8 @@ class AsyncController:
     def admission_capacity(self) -> int:
         """How many more groups may be admitted now (see module docstring)."""
         alive = self.groups_admitted - self._groups_lost()
-        steps = self.version - self.version0 + self.cfg.async_ratio + 1   # batches this controller may have out
+        # batches this controller may have out
+        steps = self.version - self.version0 + self.cfg.async_ratio + 1
         return steps * self.cfg.batch_groups + self.cfg.redundant - alive
 
     def _next_problem(self) -> Problem:
@@ -155,17 +132,18 @@ class AsyncController:
         for _ in range(10_000):
             problem = next(self.problems)
             self.groups_drawn += 1
-            if not (self.prompt_len and self.cfg.max_model_len and not self.cfg.env):
+            if not (self.prompt_len and self.max_model_len and not self.cfg.env):
                 return problem
             n = self.prompt_len(problem)
-            if n < self.cfg.max_model_len:
+            if n < self.max_model_len:
                 return problem
             self.prompts_rejected += 1
-            if self.log and self.prompts_rejected & (self.prompts_rejected - 1) == 0:    # the 1st, 2nd, 4th, 8th...
-                self.log(f"refused a prompt of {n} tokens (the engine's context is {self.cfg.max_model_len}; "
+            # the 1st, 2nd, 4th, 8th...
+            if self.log and self.prompts_rejected & (self.prompts_rejected - 1) == 0:
+                self.log(f"refused a prompt of {n} tokens (the engine's context is {self.max_model_len}; "
                          f"{self.prompts_rejected} refused so far): {problem.prompt[:120]!r}")
         raise ValueError(f"{self.buffer.who}: 10000 prompts in a row are longer than the engine's context "
-                         f"({self.cfg.max_model_len} tokens); raise --max-model-len or shorten the data")
+                         f"({self.max_model_len} tokens); raise --max-model-len or shorten the data")
 
     async def admit(self) -> int:
         n = max(0, self.admission_capacity())
@@ -178,7 +156,8 @@ class AsyncController:
                 tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
                           for j in range(tasks_per_group)]
             else:
-                tasks.append(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version, self.cfg.env))
+                tasks.append(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version,
+                                         self.cfg.env))
             self.problem_of[gid] = problem
         if tasks:
             await self.buffer.put_tasks(tasks)     # one round trip for the whole round
@@ -189,8 +168,8 @@ class AsyncController:
     async def collect(self) -> tuple[list, dict]:
         cfg, asm = self.cfg, self.asm
         t0, wall0 = now(), time.time()
-        before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered, failed=asm.samples_failed,
-                      surplus=asm.samples_surplus)
+        before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
+                      failed=asm.samples_failed, surplus=asm.samples_surplus)
         self.step_rewards = []
         await self.admit()
         ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
@@ -240,8 +219,10 @@ class AsyncController:
             self.problem_of.pop(g[0].group_id, None)
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
-        duplicate = len(batch) - len(seen) + sum(len(g) for g in groups if g[0].group_id in self.trained_groups)
-        horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER    # bounded, as the assembler's ids
+        duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
+                                                 if g[0].group_id in self.trained_groups)
+        # bounded, as the assembler's ids
+        horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER
         self.trained_groups = {g: v for g, v in self.trained_groups.items() if v >= horizon}
         self.trained_groups.update((g[0].group_id, self.version) for g in groups)
         staleness = [self.version - s.oldest_version for s in batch]
@@ -265,8 +246,9 @@ class AsyncController:
         asm = self.asm
         return (f"  collecting step {self.version - self.version0 + 1} for {elapsed:.0f}s: {asm.num_ready()}/"
                 f"{self.cfg.batch_groups} groups ready, {len(self.step_rewards)} samples in, "
-                f"{asm.samples_failed - before['failed']} failed, {asm.groups_filtered - before['filtered']} groups "
-                f"filtered, {self.buffer.num_queued_tasks()} tasks queued")
+                f"{asm.samples_failed - before['failed']} failed, "
+                f"{asm.groups_filtered - before['filtered']} groups filtered, "
+                f"{self.buffer.num_queued_tasks()} tasks queued")
 
     def in_flight_problems(self) -> list[Problem]:
         """Prompts admitted and not yet trained or lost, oldest first: a checkpoint keeps them, so
@@ -279,9 +261,9 @@ class AsyncController:
         failed, filtered = asm.samples_failed - before["failed"], asm.groups_filtered - before["filtered"]
         stale = asm.samples_dropped_stale - before["stale"]
         msg = (f"{self.buffer.who}: no new group became ready for {self.cfg.timeout_s:.0f}s "
-               f"({asm.num_ready()} of {self.cfg.batch_groups} ready); this step so far: {len(self.step_rewards)} "
-               f"samples arrived, {failed} failed, {filtered} groups filtered (all rewards equal), {stale} dropped "
-               f"as stale")
+               f"({asm.num_ready()} of {self.cfg.batch_groups} ready); this step so far: "
+               f"{len(self.step_rewards)} samples arrived, {failed} failed, {filtered} groups filtered "
+               f"(all rewards equal), {stale} dropped as stale")
         if failed and asm.last_failed is not None:
             msg += f"; a failed sample: {asm.last_failed.meta.get('error', '?')}"
         elif filtered and asm.last_filtered:
@@ -349,7 +331,8 @@ class AsyncController:
         for attempt in (1, 2):
             group = self.group.with_gen(self.gen) if self.group is not None else None
             for r in range(self.num_ranks):
-                await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe, group=group))
+                await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe,
+                                                          group=group))
             try:
                 if asyncio.iscoroutinefunction(self.send_fn):
                     await self.send_fn(group)             # the simulator's model of the transfer
@@ -426,7 +409,8 @@ class AsyncController:
         deadline = now() + self.cfg.timeout_s
         while sum(map(match, self.acks)) < self.num_ranks:
             try:
-                self.acks.append(await self.buffer.get_ack(f"{phase} acks", timeout=max(0.0, deadline - now())))
+                self.acks.append(await self.buffer.get_ack(f"{phase} acks",
+                                                           timeout=max(0.0, deadline - now())))
             except TimeoutError:
                 got = {a.rank for a in self.acks if match(a)}
                 missing = [r for r in range(self.num_ranks) if r not in got]
@@ -443,7 +427,8 @@ class AsyncController:
     async def sleep_engines(self):
         """--colocate: every engine ends its work and frees its GPU memory for the trainer on the same
         GPU; the next sync_weights wakes them (the load needs them awake)."""
-        self.unreported = await self.finish_sync()   # the previous SYNC's acks first (reported by the next sync)
+        # the previous SYNC's acks first (reported by the next sync)
+        self.unreported = await self.finish_sync()
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.SLEEP))
         await self._wait_acks(Phase.SLEPT, None)
@@ -468,7 +453,8 @@ class AsyncController:
         for i, p in enumerate(problems):
             gid = f"eval{self.version}.{i}"
             tasks.append(RolloutTask(f"{gid}.greedy", gid, p, 1, self.version, "", eval_temperature=0.0))
-            tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, self.version, "", eval_temperature=1.0) for j in range(k)]
+            tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, self.version, "", eval_temperature=1.0)
+                      for j in range(k)]
         self.eval_round = {"version": self.version, "k": k, "left": len(tasks), "greedy": [], "sampled": []}
         await self.buffer.put_tasks(tasks)
 
@@ -539,3 +525,49 @@ def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, ma
                     yield problems[i]
         gen = passes()
     return itertools.islice(gen, start, None)
+
+
+class Step(NamedTuple):
+    batch: list          # the B groups trained on (B * G samples)
+    info: dict           # collect()'s: rewards, staleness, waits, filtering
+    metrics: dict        # the trainer's: loss, ratios, clip fraction
+    sync: dict           # sync_weights': previous sync's acks (utilisation, probe diff), this broadcast
+    train_s: float       # seconds in train (event-loop time)
+
+
+async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None) -> Step:
+    """One step of the loop every runner shares (train.py, the simulator, the benchmarks, the study):
+    collect B fresh groups -> group advantages -> train -> sync the new weights into the engines.
+    train: async (batch, advantages, version) -> (metrics, probe_ref or None); send_fn, meta, group:
+    as sync_weights'."""
+    batch, info = await ctrl.collect()                                            # schedule + run
+    advantages = group_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size).tolist()
+    t = now()                                                                     # loop time (sim: virtual)
+    metrics, probe_ref = await train(batch, advantages, ctrl.version)
+    train_s = now() - t
+    sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, meta, probe_ref, group)   # postprocess
+    return Step(batch, info, metrics, sync, train_s)
+
+
+async def run_local(ctrl: AsyncController, managers: list, driver, timeout_s: float):
+    """The rollout ranks as tasks of this event loop beside `driver` (a coroutine: the trainer's loop),
+    for the in-process runners. A manager that crashes ends the run with its error; when the driver
+    returns, the controller stops the managers. The whole run is bounded by timeout_s (event-loop
+    seconds). Returns the driver's result."""
+    runs = [asyncio.ensure_future(m.run()) for m in managers]
+    main = asyncio.ensure_future(driver)
+    pending, deadline = {main, *runs}, now() + timeout_s
+    while not main.done():
+        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - now()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t.exception() is not None]
+        if failed or not done:
+            for t in [main, *runs]:
+                t.cancel()
+            await asyncio.gather(main, *runs, return_exceptions=True)
+            if failed:
+                raise failed[0].exception()
+            raise TimeoutError(f"run_local: the trainer's loop did not end within {timeout_s:.0f}s")
+    await ctrl.stop()
+    await asyncio.wait_for(asyncio.gather(*runs), max(0.0, deadline - now()))
+    return main.result()

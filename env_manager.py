@@ -1,94 +1,30 @@
 """env_manager.py: the rollout side of one rank. Many concurrent trajectories over one LLMProxy.
 
-    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...))
+    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), async_ratio=2)
     stats = await mgr.run()        # acks READY, then runs until the controller sends Cmd.STOP
 
 Two parts, one job each:
 - run_trajectory(proxy, new_env, tokenizer, cfg, task) -> Sample: the paper's environment-level loop
   for one sample (reset, generate, step, reward, retries). Knows nothing of slots or commands.
-- EnvManager: slot scheduling and the commands of the controller. Every `poll_s` (or at once when a
-  slot frees) it sends the samples that finished since its last pass (one round trip), handles this
-  rank's commands (buffer.Cmd: SYNC, ABORT_GROUPS, STOP) and pulls RolloutTasks from the shared task
-  queue into its free slots, each into its own asyncio task (a task with num_samples n takes n slots).
-
-Rank-aware pulling (EnvManager._pull_tasks). A rank takes no more than its free slots, and, when
-there are other ranks, at most one task of a group per poll period: a second sample of the same
-group that it meets in the same period goes back on the shared queue for the other ranks, which
-all poll within that period. So a replicated group spreads over the engines that have room (at
-low load the first rank to poll no longer takes a whole group, which is what replication exists to
-prevent); when no other rank has room, this rank still takes the rest, one per group per period
-(a delay of at most poll_s per extra sample; 10 ms by default).
-
-Nothing waits for anything else: every trajectory is generated, rewarded and sent on the sample
-queue the moment it ends (queue scheduling; "the moment" = the manager's next pass, which a
-finishing trajectory triggers at once). The controller issues a group's samples as separate tasks, so
-they spread over every rank pulling from the queue (prompt replication). The one barrier is
-deliberate: a task with num_samples > 1 (the batch baseline the paper compares against) is generated
-here in full and its samples are put together when the last one ends.
-
-Weight sync, the rollout side of controller.AsyncController.sync_weights (Cmd.SYNC):
-
-    proxy.suspend(cfg.suspend_mode) -> proxy.update_weights(cmd.meta, version, cmd.group)
-    -> proxy.resume() -> abort work that can no longer be fresh -> ack SYNCED (engine stats,
-    receive and load times; the probe's logprobs when cmd.probe)
-
-update_weights has the engine's workers receive the trainer's broadcast straight into the model
-(weight_sync.py; the fake engine models its time): the rank orchestrates and never holds the
-weights, and the engine is paused for the transfer, as in the paper. An engine replaced after an
-engine failure holds none of the weights synced since the start: the rank acks REPLACED and keeps
-it suspended until the controller's next SYNC, which forms a new weight-sync group with it.
-
-A trajectory (run_trajectory):
-
-    obs = env.reset(seed); repeat: action = generate(prompt + response so far); obs, r, done = env.step(action)
-
-    prompt_ids   = tokens of the first observation
-    response_ids = action 1 + obs 2 + action 2 + obs 3 + ... + action k
-    loss_mask    = 1 on action tokens, 0 on observation tokens
-    logprobs     = the engine's behaviour logprob on action tokens, 0.0 on observation tokens
-    versions     = policy version of each ACTION token only (len == sum(loss_mask)), as buffer.Sample
-    reward       = sum of step rewards, clipped into [0, 1]  (single-turn: the verifier reward)
-
-The model's EOS token is an action (it is how the model learns to stop): it stays in response_ids
-with its logprob and mask 1, and is removed only from the text the env sees. A trajectory stops when
-the env says done, after max_turns turns, or when the next turn would not fit max_total_tokens
-(finish_reason "length"; the reward so far stands). Problem.target_len > 0 (benchmarks) makes every
-turn generate exactly that many tokens (ignore_eos), still capped by max_total_tokens.
-
-Failures: an env call (reset or step) that raises or exceeds env_step_timeout_s fails the attempt:
-reported as a Sample with failed=True (never trained on; the GroupAssembler counts it) and rerun
-with a fresh env instance, up to max_retries times. An engine failure (proxy.EngineError) is not an
-env failure: run() raises it, naming the rank.
-
-Aborts (sync staleness, ABORT_GROUPS, STOP) end the engine request with proxy.abort and cancel the
-trajectory's asyncio task; its slots are freed and no sample is sent.
-
-Simplifications and deviations, on purpose:
-- The env seed comes from a stable hash of the group_id, not the task_id: every sample of a GRPO
-  group must play the same game (same "prompt"), whether the group is spread over ranks as
-  replicated tasks or generated here as one num_samples=n task. Retries reuse the seed.
-- While a turn is being generated its tokens are inside the proxy, so the staleness check on a sync
-  uses the trajectory's first known token version, or the proxy version when it started. Versions
-  only grow, so this never keeps stale work; it can abort a trajectory whose first token would have
-  been one version newer (it started during a suspend), which costs a little work and is rare.
-- A task whose num_samples does not fit the free slots is held (not returned to the queue) until
-  enough slots free; num_samples > max_concurrency is an error.
-- Group ids from ABORT_GROUPS are remembered for the whole run, so a queued surplus task of an
-  aborted group is dropped when pulled (counted as tasks_skipped) instead of being generated.
-- A prompt that leaves no room for one token under max_total_tokens is an env failure (retried,
-  pointlessly, up to max_retries: it is a data error and the failed samples make it visible).
-- Text becomes tokens through envs.PromptFormat: the tokenizer's chat template when it has one (a
-  user message per observation, the model's turns as assistant messages), else plain encoding.
+- EnvManager: slot scheduling and the controller's commands. Every `poll_s` (or at once when a slot
+  frees) it sends the samples that finished, handles this rank's commands (SYNC, ABORT_GROUPS, SLEEP,
+  STOP) and pulls RolloutTasks into its free slots, at most one task of a group per poll period when
+  other ranks share the queue (prompt replication spreads a group over the engines with room).
+A weight sync (Cmd.SYNC): suspend -> the engine's workers receive the broadcast -> resume -> abort
+work that can no longer be fresh -> ack SYNCED. A trajectory's tokens: prompt_ids, then actions and
+observations in response_ids, loss_mask 1 on action tokens only, one version per action token.
+Deviations (the env seed per group, staleness from the first token, ...): DESIGN.md#env_managerpy.
 """
 
 import asyncio
 import collections
 import hashlib
 import math
+import dataclasses
 from dataclasses import dataclass, field
 
 from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
-from config import flag
+from config import flag, opt
 from envs import ENVS, PromptFormat
 from proxy import EngineError, Sampling, Status, now
 from task import RewardPool, load_reward
@@ -96,38 +32,66 @@ from task import RewardPool, load_reward
 
 @dataclass
 class RolloutConfig:
-    max_concurrency: int = 64          # trajectories in flight on this rank (a task with num_samples n takes n slots)
-    max_tokens: int = 8                # response budget per model turn, tokens
-    temperature: float = 1.0           # sampling temperature; keep 1.0 so logprobs are the policy's
-    async_ratio: int = 1               # freshness bound: work whose oldest version < version - async_ratio is aborted
-    suspend_mode: str = "keep"         # weight update under running requests: "keep" or "abort" (proxy.suspend)
-    env_step_timeout_s: float = 30.0   # an env step (or reset) slower than this fails the trajectory, seconds
-    max_retries: int = 2               # a failed trajectory is replaced (rerun with a fresh env) up to this many times
-    reward_workers: int = 0            # >0: single-turn rewards in a task.RewardPool of this many processes; 0: inline
-    reward: str = ""                   # the verifier: "" = task.reward; "module:function" = (problem, response) -> float
-    reward_timeout_s: float = 10.0     # a verifier call slower than this (in the pool) scores 0 and its worker is replaced
-    max_turns: int = 8                 # multi-turn cap, model turns per trajectory
-    max_total_tokens: int = 120        # prompt + whole trajectory cap, tokens (the engine's context: max_model_len)
-    chat_template: bool = True         # observations through the tokenizer's chat template, when it has one
-    poll_s: float = 0.01               # control loop period: command and task queue polling, seconds
-    sync_timeout_s: float = 600.0      # a whole weight sync (suspend to SYNCED ack) longer than this is an error, seconds
-    stop_timeout_s: float = 60.0       # on stop/crash, wait this long for cancelled trajectories to unwind, seconds
+    """A rollout rank's settings: its engine's and its env manager's. 0 / -1 / "auto" = from the model, the
+    task or the device: resolved() fills them in before an EnvManager starts."""
+    max_concurrency: int = opt(64, "trajectories in flight per rollout rank (also the engine's batch size)")
+    max_tokens: int = opt(0, "response tokens per model turn; 0 = 8 for the embedded model, else 1024")
+    max_model_len: int = opt(0, "engine context = the cap on prompt + whole trajectory, tokens; 0 = the "
+                                "model's own")
+    max_turns: int = opt(8, "multi-turn: model turns per trajectory, at most")
+    temperature: float = opt(1.0, "sampling temperature (keep 1.0: the logprobs are then the policy's)")
+    chat_template: bool = opt(True, "prompts and observations through the tokenizer's chat template, if it "
+                                    "has one")
+    suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
+    env_step_timeout_s: float = opt(30.0, "an env reset/step (or reward) slower than this fails the "
+                                          "trajectory")
+    max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
+    reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the "
+                          "task's")
+    reward_workers: int = opt(-1, "verifier processes per rollout rank; 0 = on its event loop; -1 = 0 for "
+                                  "the embedded addition check, else 1")
+    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is replaced)")
+    dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
+                             "float16")
+    kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
+    gpu_memory_utilization: float = opt(0.85, "GPU: the share of a rollout GPU's memory its engine may take")
+    poll_s: float = opt(0.01, "the env manager's control loop period (commands, task queue), seconds")
+    stop_timeout_s: float = opt(60.0, "on stop or abort, wait this long for cancelled trajectories to unwind")
 
     def __post_init__(self):
         def bad(name, rule):
-            return ValueError(f"{flag(name)} (RolloutConfig.{name}) must be {rule}, got {getattr(self, name)!r}")
-        for name in ("max_concurrency", "max_tokens", "max_turns", "max_total_tokens"):
+            return ValueError(f"{flag(name)} (RolloutConfig.{name}) must be {rule}, "
+                              f"got {getattr(self, name)!r}")
+        for name in ("max_concurrency", "max_turns"):
             if getattr(self, name) < 1:
                 raise bad(name, ">= 1")
-        for name in ("async_ratio", "max_retries", "reward_workers"):
+        for name in ("max_tokens", "max_model_len", "max_retries"):
             if getattr(self, name) < 0:
-                raise bad(name, ">= 0")
-        for name in ("temperature", "env_step_timeout_s", "poll_s", "sync_timeout_s", "stop_timeout_s",
-                     "reward_timeout_s"):
+                raise bad(name, ">= 0 (0 = from the model)" if name.startswith("max_") else ">= 0")
+        if self.reward_workers < -1:
+            raise bad("reward_workers", ">= -1 (-1 = auto)")
+        for name in ("temperature", "env_step_timeout_s", "poll_s", "stop_timeout_s", "reward_timeout_s",
+                     "kv_cache_gib"):
             if getattr(self, name) <= 0:
                 raise bad(name, "> 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.suspend_mode not in ("keep", "abort"):
             raise bad("suspend_mode", "'keep' or 'abort'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("dtype", "auto, float32, bfloat16 or float16")
+
+    def resolved(self, model_dir: str, device: str, embedded: bool, custom_reward: bool) -> "RolloutConfig":
+        """The settings that default to the model's (context), the task's (reply length, reward workers)
+        and the device's (dtype)."""
+        from transformers import AutoConfig
+        return dataclasses.replace(
+            self,
+            max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
+            max_tokens=self.max_tokens or (8 if embedded else 1024),
+            dtype=(self.dtype if self.dtype != "auto"
+                   else ("bfloat16" if device.startswith("cuda") else "float32")),
+            reward_workers=self.reward_workers if self.reward_workers >= 0 else (1 if custom_reward else 0))
 
 
 def inline_reward(fn):
@@ -189,8 +153,8 @@ class Trajectory:
             self.versions += versions
 
 
-async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, index: int = 0, *,
-                         on_attempt=None, on_failure=None) -> Sample | None:
+async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask,
+                         index: int = 0, *, on_attempt=None, on_failure=None) -> Sample | None:
     """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
     and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
     (meta["retrying"] says whether another attempt follows). Returns the Sample, or None when the
@@ -207,7 +171,8 @@ async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, 
                 await on_failure(Sample(
                     task.task_id, task.group_id, traj.prompt_ids, [], [], [], [], 0.0, finish_reason="failed",
                     rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version, failed=True,
-                    meta={"error": str(e), "timeout": e.timeout, "attempt": attempt, "eval": task.eval_temperature is not None,
+                    meta={"error": str(e), "timeout": e.timeout, "attempt": attempt,
+                          "eval": task.eval_temperature is not None,
                           "retrying": attempt < cfg.max_retries, "sample_index": index}))
     return None
 
@@ -230,10 +195,10 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
 
     obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
     traj.prompt_ids = fmt.first(obs)
-    cap = cfg.max_total_tokens
+    cap = cfg.max_model_len
     if len(traj.prompt_ids) >= cap:
         raise EnvFailure(f"rollout rank {proxy.rank}: task {task.task_id}: prompt of {len(traj.prompt_ids)} "
-                         f"tokens leaves no room under max_total_tokens={cap}")
+                         f"tokens leaves no room under max_model_len={cap}")
     for turn in range(cfg.max_turns):
         room = cap - len(traj.prompt_ids) - len(traj.response_ids)
         temperature = cfg.temperature if task.eval_temperature is None else task.eval_temperature
@@ -255,11 +220,13 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
             traj.finish_reason = c.finish_reason
             break
         obs_ids = fmt.next(obs, c.token_ids[-1] if c.finish_reason == "stop" and c.token_ids else None)
-        if turn == cfg.max_turns - 1 or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap:
+        if (turn == cfg.max_turns - 1
+                or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap):
             break                  # no turn left, or no room for the observation and one more action token
         traj.add(obs_ids)
-    return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask,
-                  traj.versions, min(1.0, max(0.0, traj.reward)), finish_reason=traj.finish_reason,
+    return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs,
+                  traj.loss_mask, traj.versions, min(1.0, max(0.0, traj.reward)),
+                  finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
                   meta={**(meta or {}), "eval": task.eval_temperature is not None})
 
@@ -270,28 +237,35 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
 
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
-                 probe_ids: list[int] | None = None, env_wrappers=None, env_kwargs: dict | None = None,
-                 restart_engine=None, num_ranks: int | None = None):
+                 async_ratio: int = 2, sync_timeout_s: float = 600.0, probe_ids: list[int] | None = None,
+                 env_wrappers=None, restart_engine=None):
         self.proxy = proxy
         self.buffer = buffer
         self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
         self.rank = rank
         self.cfg = cfg
-        # rollout ranks pulling from the same task queue; None: one per command queue of the transport
-        # (LocalQueues and ManagerQueues both hold one command queue per rank). 1 = pull greedily.
-        self.num_ranks = num_ranks if num_ranks is not None else len(getattr(buffer.t, "commands", [None]))
-        self.group_taken_at: dict[str, float] = {}   # group_id -> loop time this rank last started one of its tasks
-        self.probe_ids = probe_ids              # token ids scored after a load when the SYNC asks (Command.probe)
+        if not (cfg.max_tokens and cfg.max_model_len):
+            raise ValueError("EnvManager: max_tokens and max_model_len of 0 mean 'from the model': "
+                             "RolloutConfig.resolved() first")
+        self.async_ratio = async_ratio          # the controller's; aborts work that can no longer be fresh
+        self.sync_timeout_s = sync_timeout_s    # a weight sync (suspend to SYNCED ack) longer is an error
+        # rollout ranks pulling from the same task queue: one per command queue (1 = pull greedily)
+        self.num_ranks = len(buffer.t.commands)
+        # group_id -> loop time this rank last started one of its tasks
+        self.group_taken_at: dict[str, float] = {}
+        self.probe_ids = probe_ids              # token ids scored after a load if a SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
-        self.env_kwargs = env_kwargs or {}      # extra kwargs for the ENVS factories
-        self.restart_engine = restart_engine    # async () -> a new engine backend; None: an engine failure ends run()
+        # async () -> a new engine backend; None: an engine failure ends run()
+        self.restart_engine = restart_engine
         self.synced = False                     # a sync loaded weights that the model dir does not have
         self.gen_seen = -1                      # the newest weight-sync group generation a SYNC named
-        self.min_gen = 0                        # the oldest this engine may join (a replaced one: a newer one)
+        self.min_gen = 0                        # the oldest this engine may join (a replaced one: newer)
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
-        self.pool = RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s) if cfg.reward_workers > 0 else None
-        self.reward_fn = self.pool.score if self.pool else inline_reward(load_reward(cfg.reward)) if cfg.reward else None
+        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s)
+                     if cfg.reward_workers > 0 else None)
+        self.reward_fn = (self.pool.score if self.pool
+                          else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
         self.aborted_groups: set[str] = set()
@@ -322,13 +296,15 @@ class EnvManager:
             raise
         await self._close()
         await self._flush()
-        await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats(), events=self.proxy.take_events()))
+        await self.buffer.put_ack(Ack(self.rank, Phase.STOPPED, stats=self.stats(),
+                                      events=self.proxy.take_events()))
         return self.stats()
 
     async def _loop(self):
         while True:
             if self.error is not None:
-                raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: {self.error!r}") from self.error
+                raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: "
+                                   f"{self.error!r}") from self.error
             if self.engine_failure is not None:
                 await self._recover(self.engine_failure)
             await self._flush()
@@ -355,10 +331,10 @@ class EnvManager:
             return True
         if cmd.kind == Cmd.SYNC:
             try:
-                await asyncio.wait_for(self._sync(cmd), self.cfg.sync_timeout_s)
+                await asyncio.wait_for(self._sync(cmd), self.sync_timeout_s)
             except asyncio.TimeoutError:
-                raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} took longer "
-                                   f"than {self.cfg.sync_timeout_s:.0f}s") from None
+                raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} "
+                                   f"took longer than {self.sync_timeout_s:.0f}s") from None
         elif cmd.kind == Cmd.SLEEP:          # colocated: the trainer needs this GPU's memory now
             await self._abort(list(self.jobs), "aborted_by_request")
             await self.proxy.sleep()
@@ -366,7 +342,8 @@ class EnvManager:
         elif cmd.kind == Cmd.ABORT_GROUPS:
             groups = set(cmd.group_ids)
             self.aborted_groups |= groups
-            await self._abort([tid for tid, (t, _) in self.jobs.items() if t.group_id in groups], "aborted_by_request")
+            await self._abort([tid for tid, (t, _) in self.jobs.items() if t.group_id in groups],
+                              "aborted_by_request")
         else:
             raise ValueError(f"rollout rank {self.rank}: unknown command {cmd!r}")
         return False
@@ -390,7 +367,7 @@ class EnvManager:
             await self.proxy.resume()
             self.synced = True
             stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None   # (evaluation
-                     and not fresh(self._oldest_version(tid), v, self.cfg.async_ratio)]      # is never trained)
+                     and not fresh(self._oldest_version(tid), v, self.async_ratio)]      # is never trained)
             await self._abort(stale, "aborted_stale")
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:
@@ -407,11 +384,12 @@ class EnvManager:
                 await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
             return
         vllm_load = max((w["total_s"] - w["wait_s"] for w in workers or []), default=0.0)   # (the fake: none)
-        await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load}, probe=probe)
+        await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load},
+                               probe=probe)
 
     async def _ack_synced(self, version: int, timings: dict, **fields):
-        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, version, engine=self.proxy.stats(), timings=timings,
-                                      events=self.proxy.take_events(), **fields))
+        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, version, engine=self.proxy.stats(),
+                                      timings=timings, events=self.proxy.take_events(), **fields))
 
     async def _pull_tasks(self):
         """Start tasks while there are free slots, at most one task of a group per poll period when
@@ -422,9 +400,11 @@ class EnvManager:
         t_now = now()
         spread = self.num_ranks > 1
         if len(self.group_taken_at) > 4 * self.cfg.max_concurrency:   # forget groups older than a period
-            self.group_taken_at = {g: t for g, t in self.group_taken_at.items() if t_now - t < self.cfg.poll_s}
+            self.group_taken_at = {g: t for g, t in self.group_taken_at.items()
+                                   if t_now - t < self.cfg.poll_s}
         passed_over = []
-        budget = self.buffer.num_queued_tasks() if spread else None   # tasks queued later wait for the next poll
+        # tasks queued later wait for the next poll
+        budget = self.buffer.num_queued_tasks() if spread else None
         try:
             while self.slots_used < self.cfg.max_concurrency:
                 if not self.held:
@@ -441,11 +421,14 @@ class EnvManager:
                     self.counters["tasks_skipped"] += 1
                     continue
                 if t.num_samples > self.cfg.max_concurrency:
-                    raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has num_samples={t.num_samples} "
-                                     f"> max_concurrency={self.cfg.max_concurrency}; it could never start")
-                # (a period is poll_s less a float's rounding: the next timed poll comes exactly poll_s later)
-                if spread and t_now - self.group_taken_at.get(t.group_id, -math.inf) < 0.999 * self.cfg.poll_s:
-                    passed_over.append(self.held.popleft())   # another rank with room takes it within a period
+                    raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has "
+                                     f"num_samples={t.num_samples} > "
+                                     f"max_concurrency={self.cfg.max_concurrency}; it could never start")
+                # (a period is poll_s less a float's rounding: the next timed poll is exactly poll_s later)
+                if (spread and t_now - self.group_taken_at.get(t.group_id, -math.inf)
+                        < 0.999 * self.cfg.poll_s):
+                    # another rank with room takes it within a period
+                    passed_over.append(self.held.popleft())
                     continue
                 if self.slots_used + t.num_samples > self.cfg.max_concurrency:
                     return             # held until enough slots free
@@ -494,8 +477,9 @@ class EnvManager:
                 self.counters["samples_lost_to_engine"] += 1
                 self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
                                   rank=self.rank, admit_version=t.admit_version, failed=True,
-                                  meta={"error": f"engine lost: {failure}", "retrying": False, "engine_lost": True,
-                                        "sample_index": i, "timeout": False, "eval": t.eval_temperature is not None}))
+                                  meta={"error": f"engine lost: {failure}", "retrying": False,
+                                        "engine_lost": True, "sample_index": i, "timeout": False,
+                                        "eval": t.eval_temperature is not None}))
         self.lost, self.engine_failure = [], None
         await self._flush()
         self.proxy.replace_engine(await self.restart_engine())
@@ -516,7 +500,8 @@ class EnvManager:
         jobs = [self.jobs[tid] for tid in task_ids if tid in self.jobs]
         if not jobs:
             return
-        rids = [tr.request_id for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values() if tr.request_id]
+        rids = [tr.request_id for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values()
+                if tr.request_id]
         for t, job in jobs:
             job.cancel()           # request before any await: the job cannot send a sample after this
             if counter:
@@ -569,5 +554,5 @@ class EnvManager:
         if t.env not in ENVS:
             raise ValueError(f"rollout rank {self.rank}: task {t.task_id} asks for env {t.env!r}; "
                              f"known: {sorted(ENVS)}")
-        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_fn=self.reward_fn, **self.env_kwargs)
+        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_fn=self.reward_fn)
         return self.env_wrappers(env) if self.env_wrappers else env

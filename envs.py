@@ -1,42 +1,31 @@
 """envs.py: environments for rollout (env_manager.py runs one trajectory loop per env instance).
 
     class Env:
-        async def reset(self, seed: int) -> str                                  # first observation
-        async def step(self, action: str) -> tuple[str, float, bool, dict]       # obs, reward, done, info
+        async def reset(self, seed: int) -> str                              # first observation
+        async def step(self, action: str) -> tuple[str, float, bool, dict]   # obs, reward, done, info
 
-The interface is async so that an environment that waits (a sandbox, a web page, or LatencyEnv's
-injected delay) yields the event loop: while one trajectory waits for its env, the engine keeps
-decoding for the others (the paper's environment-level asynchronous rollout).
+Async, so an env that waits (a sandbox, LatencyEnv's delay) yields the event loop while the engine
+keeps decoding for other trajectories (the paper's environment-level asynchronous rollout).
 
-What is here:
-- SingleTurnEnv: RLVR as the one-step case: the prompt is the observation, the verifier reward
-  of the one answer is the step reward (optionally computed in a process pool).
-- GuessEnv ("guess"): find a secret number in 0..99 from "higher"/"lower" hints; reward
-  0.9 ** (guesses - 1) when found, so shorter searches score more.
-- ChainEnv ("chain"): a running sum, one addition per turn ("7+5=", then "+3=", ...); reward is the
-  fraction of steps answered correctly; a wrong step is told the true partial sum so the chain
-  can go on. The first step is the default task's format, which the tiny model already knows.
-- LatencyEnv: wrapper adding a normal(mean, std) delay, clipped at 0, to every reset and step.
-- FaultyEnv: wrapper that raises or hangs forever at given per-call rates.
-- ENVS: plain dict name -> factory(problem, seed, **kwargs) -> Env.
+Owns SingleTurnEnv (RLVR as the one-step case), the games GuessEnv ("guess": find 0..99 from
+"higher"/"lower" hints) and ChainEnv ("chain": a running sum, one addition per turn), the wrappers
+LatencyEnv (normal(mean, std) delay per call) and FaultyEnv (raise or hang at given rates), and
+ENVS: name -> factory(problem, seed, **kwargs) -> Env. All text uses only tiny_model.CHARS, and
+every game is deterministic given the seed.
 
-All text uses only tiny_model.CHARS (digits, lowercase, "+-*=" and " .,:;!?()<>/'\\n"), so the
-character-level tiny model can read every observation. Every game is deterministic given the seed.
+Simplifications: the games ignore the Problem and build their state from the seed; LatencyEnv clips
+negative draws to 0 (mean=10, std=10 gives about 10.8 s); FaultyEnv also fails resets.
 
-Simplifications, on purpose:
-- The games generate their own state from the seed and ignore the Problem (the controller's
-  prompts still give each group its id, and env_manager derives the seed from that id).
-- LatencyEnv clips negative draws to 0 rather than redrawing, so with mean=10, std=10 (the paper's
-  setting) the realised mean is about 10.8 s, not 10 s.
-- FaultyEnv draws one failure per call, for reset as well as step: a hung reset is as real a
-  failure as a hung step (a sandbox that never boots).
+Design notes: DESIGN.md#envspy
 """
 
 import asyncio
 import random
 import re
+from dataclasses import dataclass
 
 import task
+from config import opt
 
 # ---------------------------------------------------------------------------------------------
 # single-turn RLVR
@@ -47,7 +36,8 @@ class SingleTurnEnv:
 
     def __init__(self, problem: task.Problem, reward_fn=None):
         self.problem = problem
-        self.reward_fn = reward_fn      # async (problem, response) -> float (task.RewardPool.score); None: inline
+        # async (problem, response) -> float (task.RewardPool.score); None: inline
+        self.reward_fn = reward_fn
 
     async def reset(self, seed: int) -> str:
         return self.problem.prompt
@@ -177,6 +167,38 @@ class FaultyEnv:
         return await self.env.step(action)
 
 
+@dataclass
+class FaultConfig:
+    """Testing the failure paths: every env wrapped with injected latency, failures and hangs."""
+    env_fail_rate: float = opt(0.0, "testing: inject env failures, the chance an env call raises")
+    env_hang_rate: float = opt(0.0, "testing: inject env hangs, the chance an env call never returns")
+    env_latency_s: float = opt(0.0, "testing: inject env latency, normal(mean=this, std=this) per call, "
+                                    "seconds")
+
+    def __post_init__(self):
+        if not (0 <= self.env_fail_rate and 0 <= self.env_hang_rate
+                and self.env_fail_rate + self.env_hang_rate <= 1):
+            raise ValueError(f"--env-fail-rate {self.env_fail_rate} and --env-hang-rate "
+                             f"{self.env_hang_rate}: need rates >= 0 that sum to <= 1")
+        if self.env_latency_s < 0:
+            raise ValueError(f"--env-latency-s must be >= 0, got {self.env_latency_s}")
+
+    def wrapper(self, seed: int):
+        """(env) -> env wrapping every env of a rollout rank (EnvManager's env_wrappers); None: nothing
+        injected."""
+        if not (self.env_latency_s or self.env_fail_rate or self.env_hang_rate):
+            return None
+        rng = random.Random(seed)
+
+        def wrap(env):
+            if self.env_latency_s:
+                env = LatencyEnv(env, self.env_latency_s, self.env_latency_s, rng)
+            if self.env_fail_rate or self.env_hang_rate:
+                env = FaultyEnv(env, self.env_fail_rate, self.env_hang_rate, rng)
+            return env
+        return wrap
+
+
 # ---------------------------------------------------------------------------------------------
 # observations -> tokens: plain, or through the tokenizer's chat template
 
@@ -224,10 +246,11 @@ class PromptFormat:
             b = tokenizer.apply_chat_template(one + [{"role": "user", "content": o}], tokenize=False,
                                               add_generation_prompt=True)
             if not b.startswith(a) or y not in a or o not in b:
-                raise ValueError("the tokenizer's chat template renders a longer conversation differently from a "
-                                 "shorter one; pass --no-chat-template")
+                raise ValueError("the tokenizer's chat template renders a longer conversation differently "
+                                 "from a shorter one; pass --no-chat-template")
             self.close_turn = a[a.index(y) + len(y):]               # e.g. "<|im_end|>\n"
-            self.user_pre, self.user_post = b[len(a):].split(o)       # e.g. "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+            # e.g. "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+            self.user_pre, self.user_post = b[len(a):].split(o)
 
     def first(self, text: str) -> list[int]:
         if not self.chat:

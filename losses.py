@@ -3,98 +3,81 @@
     loss, metrics = compute_policy_loss(logp, old_logp, advantages, mask, "ppo", clip_high=0.28)
     adv = group_advantages(rewards, group_size=8)
 
-In asynchronous training the tokens were sampled by the rollout engine under a behaviour policy mu
-(logprobs `old_logp`, recorded at sampling time) that may be several weight versions behind the
-policy pi being trained (logprobs `logp`, which carry the gradient). Every objective below is a
-way to learn from mu's samples; they differ in how they use the importance ratio
+Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behind the trained pi
+(`logp`). Per-token losses (r = exp(logp - old_logp), A = advantage, sg = stop-gradient):
 
-    r = pi / mu = exp(logp - old_logp)          (per token)
+    reinforce      -A logp
+    ppo            max(-r A, -clip(r, 1-clip_low, 1+clip_high) A); dual_clip c: for A < 0, min(that, -c A)
+    decoupled_ppo  w * [ppo with r' = pi / pi_prox], w = sg(pi_prox / mu); 0 where w > behav_weight_cap
+    tis            -sg(min(r, tis_cap)) A logp
+    cispo          -sg(clip(r, 1-cispo_low, 1+cispo_high)) A logp
+    topr           A > 0: -topr_pos_weight A logp; A <= 0: -topr_neg_weight sg(clip(r, 0, 1)) A logp
+    gspo           ppo per sequence on s = exp(masked mean of logp - old_logp), A = sequence advantage
 
-Per-token losses to minimise (A = advantage, sg = stop-gradient, clip(x, lo, hi) = min(max(x, lo), hi)):
+`agg` is "token-mean" or "seq-mean-token-mean" over unmasked tokens. Metrics: clip_frac, ratio_mean,
+ratio_max, is_weight_mean, behav_capped_frac, approx_kl (k3 estimate of KL(mu || pi)).
 
-    reinforce      -A logp                                   plain on-policy REINFORCE, no correction
-    ppo            max(-r A, -clip(r, 1-clip_low, 1+clip_high) A)
-                   and, if dual_clip = c is set, for A < 0: min(that, -c A)   (dual-clip PPO, Ye et al. 2020)
-    decoupled_ppo  w * [ppo loss with r' = pi / pi_prox], w = sg(pi_prox / mu)
-                   pi_prox = the trainer's weights before this batch's first update (`prox_logp`): the
-                   trust region is centred on pi_prox, mu only enters through the IS weight w (Hilton et
-                   al. 2021; AReaL). The dual clip, when set, applies to the bracket, before the weight w.
-                   With behav_weight_cap = C (AReaL's behav_imp_weight_cap), a token whose w > C is
-                   dropped: its loss is 0 (it still counts in the token-mean's denominator, as in AReaL).
-    tis            -sg(min(r, tis_cap)) A logp               truncated importance sampling
-    cispo          -sg(clip(r, 1-cispo_low, 1+cispo_high)) A logp     (MiniMax-M1, 2025)
-    topr           A > 0:  -topr_pos_weight A logp           (Tapered Off-Policy REINFORCE,
-                   A <= 0: -topr_neg_weight sg(clip(r, 0, 1)) A logp     Le Roux et al. 2025)
-    gspo           one loss per sequence: max(-s A, -clip(s, 1-clip_low, 1+clip_high) A) with the
-                   sequence ratio s = exp(mean over the sequence's tokens of (logp - old_logp)), the
-                   gradient flowing through s (Zheng et al. 2025). A is the sequence's advantage (with
-                   [B, T] advantages: their masked token-mean over the sequence).
+Main deviations (all of them, and the full table, in DESIGN.md): log-ratios clamped to [-20, 20];
+tis is truncated-IS REINFORCE, not on top of PPO; topr's ratio and sign split are per token;
+cispo's defaults are ours; gspo's paper clip range is far tighter than the shared defaults.
 
-Aggregation (`agg`) over the unmasked tokens (mask == 1):
-
-    token-mean            sum of token losses over the whole batch / number of unmasked tokens
-    seq-mean-token-mean   mean over sequences of each sequence's token mean; sequences with no
-                          unmasked token are left out of the mean (they have nothing to average)
-
-GSPO's per-sequence loss is given to each of the sequence's unmasked tokens and then aggregated like
-any token loss: under seq-mean-token-mean that is the paper's mean over sequences; under token-mean
-each sequence weighs in proportion to its token count. Either way, on-policy (s = 1) the gradient of
-token t is exactly the REINFORCE gradient under the same `agg`, with A replaced by the sequence's
-(mean) advantage: d/dlogp_t of n_i * L_i / N is -A s / N, and of L_i / B is -A s / (n_i B).
-
-On-policy (logp == old_logp == prox_logp) every variant's gradient is the REINFORCE gradient under
-the same `agg` (for gspo with per-token advantages: with each sequence's mean advantage).
-
-Metrics (plain Python floats, means over unmasked tokens; 0.0 when the mask is empty):
-    clip_frac       fraction of tokens where a clip / truncation was active: ppo and decoupled_ppo:
-                    the clipped term (or the dual clip) was chosen; tis: r > tis_cap; cispo: r outside
-                    [1-cispo_low, 1+cispo_high]; topr: A <= 0 and r > 1; gspo: the token's sequence
-                    was clipped; reinforce: 0
-    ratio_mean, ratio_max   of r = pi / mu per token, for every variant (also gspo and decoupled_ppo,
-                    so runs of different variants can be compared)
-    is_weight_mean  the stop-gradient weight actually applied: w for decoupled_ppo (0 on tokens the
-                    behaviour cap dropped), the truncated / clipped r for tis, cispo and topr (1 on
-                    topr's A > 0 tokens); 1.0 for reinforce, ppo and gspo, which have none
-    behav_capped_frac  decoupled_ppo: fraction of tokens dropped by behav_weight_cap; 0 otherwise
-    approx_kl       k3 estimator (Schulman 2020) of KL(mu || pi) from mu's samples: mean of
-                    r - 1 - log r, which is >= 0 and unbiased because E_mu[r] = 1. (The k3 form
-                    exp(old - logp) - 1 - (old - logp) would estimate KL(pi || mu) only for samples of pi.)
-
-Deviations from the papers, all deliberate:
-  * Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before exp (token ratios,
-    the prox/behaviour ratio and GSPO's mean log-ratio), so that +-50 gives finite losses and gradients.
-    A token (or GSPO sequence) beyond the clamp gets no gradient through its ratio; such a token is far
-    outside any trust region and its exact gradient (up to e^50 * A) would be useless anyway.
-  * old_logp, prox_logp and advantages are treated as constants (detached). The math runs in float32
-    at least (bfloat16 / float16 inputs are upcast; float64 stays float64), so the loss is float32 then.
-    With float16 logp a gradient above 65504 (possible: weights reach exp(20)) overflows in the cast back.
-  * Masked positions are replaced by 0 before any arithmetic (torch.where), so whatever they hold
-    (padding garbage, huge values, even inf/nan) contributes exactly nothing to loss, gradient or metrics.
-  * tis: Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training")
-    put the truncated weight on top of the PPO loss to correct the rollout/trainer mismatch; here it is
-    the IMPALA-style truncated-IS REINFORCE estimator, with r taken against the behaviour policy.
-  * topr: the paper truncates the *sequence* ratio pi(y)/mu(y) and splits by the sign of the
-    sequence's reward; here the ratio is per token and the split is by the sign of A, per token when
-    [B, T] advantages are given (A = 0 contributes nothing either way).
-  * gspo: the sequence length is the number of unmasked tokens (environment observations in
-    multi-turn rollouts do not count). The paper's clip range is far tighter than PPO's (3e-4 / 4e-4),
-    which our shared clip_low / clip_high defaults (0.2) do not reflect: set them for gspo.
-  * cispo: the paper removes the lower bound and tunes only the upper one, without publishing its value.
-    Defaults here: cispo_low = 1.0 (lower bound 1 - 1 = 0, i.e. none, since r > 0) and cispo_high = 0.28
-    (borrowed from DAPO's clip-higher; other frameworks use caps of 4-5, i.e. cispo_high = 3-4). Tune it.
-  * seq-mean-token-mean divides by the number of non-empty sequences, not by the batch size.
-  * Hyperparameters that a variant does not use are accepted and ignored (a trainer can pass one config
-    to every variant), but all are validated, and unknown names raise TypeError. Likewise prox_logp
-    is only used by decoupled_ppo (its shape is checked whenever it is given).
+Design notes: DESIGN.md#lossespy
 """
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
+
+from config import flag, opt
 
 VARIANTS = ("reinforce", "ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo")
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8, finite in the float32 (or float64) the math runs in
+
+
+@dataclass
+class LossConfig:
+    """--loss and compute_policy_loss's hyperparameters, one field (one --flag) each, named as its keyword
+    (except: loss_agg is agg; gspo_clip_* replace clip_* under --loss gspo; 0 = off means None).
+    A new hyperparameter: a field here, its keyword and check below."""
+    loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (formulas: losses.py)")
+    clip_low: float = opt(0.2, "ppo, decoupled_ppo: ratio >= 1 - this (PPO's epsilon)")
+    clip_high: float = opt(0.28, "ppo, decoupled_ppo: ratio <= 1 + this (DAPO's clip-higher)")
+    dual_clip: float = opt(0.0, "ppo, decoupled_ppo: dual clip c for A < 0 (Ye et al. 2020: 3); 0 = off")
+    behav_weight_cap: float = opt(0.0, "decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); "
+                                       "0 = off")
+    tis_cap: float = opt(2.0, "tis: importance weight cap (Yao et al. 2025)")
+    cispo_low: float = opt(1.0, "cispo: IS weight >= 1 - this (1 = no lower bound, MiniMax-M1)")
+    cispo_high: float = opt(0.28, "cispo: IS weight <= 1 + this (MiniMax-M1 does not publish it)")
+    topr_pos_weight: float = opt(1.0, "topr: weight of A > 0 tokens (Le Roux et al. 2025)")
+    topr_neg_weight: float = opt(1.0, "topr: weight of A <= 0 tokens (Le Roux et al. 2025)")
+    gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
+    gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
+    loss_agg: str = opt("token-mean", "loss aggregation: " + " | ".join(AGG_MODES))
+
+    def __post_init__(self):
+        if self.loss not in VARIANTS:
+            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(VARIANTS)}")
+        for gspo in (False, True):        # check_hparams' message, naming our flag
+            try:
+                check_hparams(**self.loss_kwargs(gspo))
+            except ValueError as e:
+                name, rest = str(e).split(" ", 1)
+                name = ("loss_agg" if name == "agg"
+                        else ("gspo_" + name if gspo and name.startswith("clip") else name))
+                raise ValueError(f"{flag(name)} {rest}" + (" (0 = off)" if "None" in rest else "")) from None
+
+    def loss_kwargs(self, gspo: bool | None = None) -> dict:
+        """compute_policy_loss's keywords for this config's loss (gspo has its own clip range)."""
+        gspo = self.loss == "gspo" if gspo is None else gspo
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)
+              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high")}
+        if gspo:
+            kw.update(clip_low=self.gspo_clip_low, clip_high=self.gspo_clip_high)
+        return {**kw, "agg": self.loss_agg, "dual_clip": self.dual_clip or None,
+                "behav_weight_cap": self.behav_weight_cap or None}
 
 
 def compute_policy_loss(
@@ -113,7 +96,7 @@ def compute_policy_loss(
     cispo_high: float = 0.28,    # cispo: IS weight <= 1 + cispo_high (the paper does not publish its value)
     topr_pos_weight: float = 1.0,  # topr: scale of the A > 0 tokens' loss
     topr_neg_weight: float = 1.0,  # topr: scale of the A <= 0 tokens' loss
-    behav_weight_cap: float | None = None,  # decoupled_ppo: tokens with w = pi_prox / mu above this are dropped
+    behav_weight_cap: float | None = None,  # decoupled_ppo: drop tokens with w = pi_prox / mu above this
     agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""

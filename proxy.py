@@ -1,37 +1,23 @@
 """proxy.py: the LLM proxy. One per rollout rank, in front of one engine.
 
-The paper's LLMProxy gives per-sample control of generation: every request lives and dies on its
-own, the caller gets it back the moment it ends (so its reward can start at once), and weights can
-change under running requests. Here:
+Owns per-sample control of generation (the paper's LLMProxy): every request lives and dies on its
+own, the caller gets it back the moment it ends, and weights can change under running requests. A
+Completion carries the token ids, the behaviour logprob and the policy version of every token.
 
-    proxy = await LLMProxy.start_vllm(model_dir, rank=r)     # real vLLM AsyncLLM (engine-core subprocess)
-    proxy = LLMProxy(FakeTimedEngine(...), rank=r)            # timed fake, for unit tests and tools/sim.py
+    proxy = await LLMProxy.start_vllm(model_dir, rank=r)   # real vLLM AsyncLLM (engine-core subprocess)
+    proxy = LLMProxy(FakeTimedEngine(...), rank=r)          # timed fake, for unit tests and tools/sim.py
     c = await proxy.generate(prompt_ids, Sampling(max_tokens=16))   # -> Completion
-    await proxy.suspend("keep"); await proxy.update_weights(meta, 3, spec); await proxy.resume()   # weight_sync.py
+    await proxy.suspend("keep"); await proxy.update_weights(meta, 3, spec); await proxy.resume()
 
-A Completion carries the token ids, the behaviour logprob of every token (what the engine sampled
-with) and the policy version of every token, so a sample that spans a weight update says so.
+Suspend "keep": in-flight requests stay in the engine and continue under the new weights; "abort":
+they end, and are resubmitted after resume as prompt + tokens so far (partial rollout). VLLMEngine
+and FakeTimedEngine (tools/fake_engine.py) share one six-call backend interface, so every rule here is
+the same code in tests, in the simulator and on a GPU cluster.
 
-Suspend modes (the paper's two ways of updating weights under running requests):
-- "keep":  the engine stops scheduling, in-flight requests stay in the engine and continue under
-           the new weights after resume (their KV cache from the old weights is kept).
-- "abort": the engine ends in-flight requests; the proxy resubmits each one after resume as
-           prompt + tokens so far with the remaining token budget, keeping the logprobs it already
-           recorded (partial rollout).
+Simplifications: a token's version is the proxy's version when its output arrives (versions change
+only while paused, so it is exact); "utilisation" is busy, unpaused wall time, not FLOPs.
 
-The proxy talks to an engine backend with six calls (stream, abort, pause, resume, receive_weights,
-score); VLLMEngine adapts AsyncLLM to it and FakeTimedEngine (fake_engine.py) imitates it in
-virtual time, so every rule here (versions, resubmission, counters, timeouts) is the same code in
-tests, in the simulator and on a GPU cluster.
-
-Simplifications, on purpose:
-- A token's version is the proxy's version when the token's output reaches the proxy. The version
-  changes only while the engine is paused, and vLLM's pause returns after the outputs of the step in
-  flight have been emitted, so every token tagged v was sampled with weights v.
-- Weights go straight from trainer rank 0 into the engine's workers (weight_sync.py), bucket by
-  bucket, while the engine is suspended: a partially loaded model never generates.
-- "Utilisation" counts wall time in which the engine had at least one request and was not paused,
-  as a fraction of time since start: the signal for load balancing and bubbles, not FLOP utilisation.
+Design notes: DESIGN.md#proxypy
 """
 
 import asyncio
@@ -77,7 +63,8 @@ class Sampling:
         if self.max_tokens < 1:
             raise ValueError(f"Sampling.max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy, for evaluation), got {self.temperature}")
+            raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy, for evaluation), "
+                             f"got {self.temperature}")
 
 
 @dataclass
@@ -101,6 +88,24 @@ class Completion:
 # real engine backend: vLLM AsyncLLM
 
 
+def cpu_layout(cores: list[int], num_rollout: int) -> tuple[list[int], list[int]]:
+    """CPU runs, one node: (host cores, engine cores). Each vLLM engine (its engine-core and worker
+    processes) gets a core of its own, from the top; the ranks' own Python (trainers, controller, the
+    rollout ranks' front ends) shares the rest; with no core to spare, everything shares
+    (measured: DESIGN.md#proxypy)."""
+    if len(cores) > num_rollout:
+        return cores[:len(cores) - num_rollout], cores[len(cores) - num_rollout:]
+    return cores, cores
+
+
+def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a rollout rank's engine processes: this rank's own GPU (LOCAL_RANK
+    round robin over the node's GPUs; under --colocate two ranks share one), named as the parent sees
+    it (a user's CUDA_VISIBLE_DEVICES list is honoured). vLLM's engine otherwise takes device 0."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    return ids[local_rank % len(ids)]
+
+
 class VLLMEngine:
     """The backend calls over a vLLM AsyncLLM engine (public API only)."""
 
@@ -121,6 +126,9 @@ class VLLMEngine:
         # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins.
         if cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+        if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
+            os.sched_setaffinity(0, {c for part in cpu_cores.split(",") for c in
+                                     range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)})
         # the engine's worker process imports weight_sync.WeightSyncWorker by name, from this directory
         here = os.path.dirname(os.path.abspath(__file__))
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -131,7 +139,6 @@ class VLLMEngine:
         # (vLLM's CPU platform always runs the model in a worker process separate from the engine
         # core, even for one worker; the two hand over through a shared-memory queue that spins with
         # sched_yield. Both inherit this rank's core, so the spinning yields to generation.)
-        import torch
         if torch.cuda.is_available():
             engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
             engine_kwargs.setdefault("enable_sleep_mode", sleep_mode)     # --colocate
@@ -161,7 +168,8 @@ class VLLMEngine:
         return self.llm is not None and self.llm.errored
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
-                     cache_salt: str | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+                     cache_salt: str | None = None
+                     ) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -211,14 +219,16 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": token_ids}, params, f"score-{time.monotonic_ns()}"):
+        async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
+                                           f"score-{time.monotonic_ns()}"):
             final = out
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 
     def shutdown(self):
         if self.llm is not None:
             self.llm.shutdown()
-            self.llm = None  # drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, noisily
+            # drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, noisily
+            self.llm = None
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
@@ -267,7 +277,8 @@ class LLMProxy:
             self.events.phase(name, wall0, time.time(), self.version)
 
     @classmethod
-    async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0, **engine_kwargs) -> "LLMProxy":
+    async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0,
+                         **engine_kwargs) -> "LLMProxy":
         engine = await asyncio.wait_for(asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs),
                                         timeout=max(timeout_s, 300))
         return cls(engine, rank=rank, timeout_s=timeout_s)
@@ -313,8 +324,8 @@ class LLMProxy:
                 else:
                     await asyncio.wait({task}, timeout=max(0.0, deadline - now()))
                 if not task.done() and now() >= deadline:
-                    raise EngineError(f"rollout rank {self.rank}: engine did not answer within {timeout:.0f}s "
-                                      f"during {phase}")
+                    raise EngineError(f"rollout rank {self.rank}: engine did not answer "
+                                      f"within {timeout:.0f}s during {phase}")
             return task.result()
         except (EngineError, asyncio.CancelledError):
             raise
@@ -346,9 +357,11 @@ class LLMProxy:
                 budget = sampling.max_tokens - len(c.token_ids)
                 eid = f"{rid}.{c.num_resubmits}"
                 self._engine_ids[rid] = eid
-                sp = Sampling(budget, sampling.temperature, sampling.top_p, sampling.ignore_eos, sampling.seed)
+                sp = Sampling(budget, sampling.temperature, sampling.top_p, sampling.ignore_eos,
+                              sampling.seed)
                 reason = await self._consume(eid, c.prompt_token_ids + c.token_ids, sp, c)
-                if reason == "abort" and rid not in self._user_aborted and len(c.token_ids) < sampling.max_tokens:
+                if (reason == "abort" and rid not in self._user_aborted
+                        and len(c.token_ids) < sampling.max_tokens):
                     c.num_resubmits += 1            # ended by an "abort"-mode suspend: partial rollout
                     self.num_resubmits += 1
                     continue
@@ -389,7 +402,8 @@ class LLMProxy:
         except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
             raise EngineError(f"rollout rank {self.rank}: engine failed during generate: {e!r}") from e
         finally:
-            try:  # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
+            # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
+            try:
                 await asyncio.wait_for(stream.aclose(), 5.0)
             except (asyncio.TimeoutError, RuntimeError):
                 pass
@@ -402,13 +416,15 @@ class LLMProxy:
         always wake a request's stream when its engine core dies: seen with a SIGKILLed core.)"""
         while self.status != Status.STOPPED:
             # (a backend that can tell it is dead is asked every second; others are only timed)
-            await asyncio.sleep(min(self.timeout_s / 8, 1.0) if hasattr(self.engine, "dead") else self.timeout_s / 8)
+            await asyncio.sleep(min(self.timeout_s / 8, 1.0) if hasattr(self.engine, "dead")
+                                else self.timeout_s / 8)
             silent = now() - self._last_progress
             dead = self.num_in_flight > 0 and getattr(self.engine, "dead", False)
             if dead or (self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s):
                 self._failure = EngineError(
-                    f"rollout rank {self.rank}: " + ("the engine process died" if dead else
-                                                     f"engine produced nothing for {silent:.0f}s during generate")
+                    f"rollout rank {self.rank}: "
+                    + ("the engine process died" if dead
+                       else f"engine produced nothing for {silent:.0f}s during generate")
                     + f" ({self.num_in_flight} requests waiting)")
                 for t in list(self._consumers):
                     t.cancel()

@@ -2,34 +2,18 @@
 
     quiet.setup(verbose=False)    # train.py, first thing on every rank (before vLLM or transformers load)
 
-Left alone, one default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines from the
-engine processes. setup() changes only this process's environment, which the engine processes
-(spawned later by the rollout rank) inherit:
-
-- vLLM logs at WARNING (VLLM_LOGGING_LEVEL), through a logging config (VLLM_LOGGING_CONFIG_PATH,
-  vLLM's own hook, read in every vLLM process) that adds the filter KnownNoise: warnings listed in
-  NOISE are dropped, and any other warning is shown the first time its text template appears in a
-  process and counted after that, so a warning that repeats every step is seen once, not 80 times.
-  The engine processes apply the same filter from their first line on (the MARK variable; see the
-  end of this file), so even the warnings vLLM prints while it is imported pass it.
-- Hugging Face progress bars off (HF_HUB_DISABLE_PROGRESS_BARS: transformers' "Loading weights");
-  vLLM's own "Loading safetensors checkpoint shards" bar is an engine argument (train.py).
-- C++ warnings of the engine processes at error level (TORCH_CPP_LOG_LEVEL: vLLM's CPU kernels'
-  "NUMA binding" notice), and the Python warnings in PY_WARNINGS ignored.
+setup() changes only this process's environment, which the engine processes (spawned later by the
+rollout rank) inherit: vLLM at WARNING through a logging config that adds the filter KnownNoise
+(warnings in NOISE dropped, any other warning shown once per text template and counted after
+that), Hugging Face progress bars off, the engine processes' C++ warnings at error level and the
+Python warnings in PY_WARNINGS ignored. The engine processes apply the same filter from their
+first line on (the MARK variable; see the end of this file).
 
 Errors and every other warning still show. A variable the user set is never overridden. With
 --verbose, setup() does nothing and everything prints as before.
 
-Each entry of NOISE was checked on this project's runs and is harmless here:
-- "Failed to load weights" (RotaryEmbedding, ParallelLMHead), at every weight sync: vLLM's reload
-  finds no checkpoint tensors for layers that have none of their own (rotary) or are tied to the
-  embedding (proxy.WeightLoaderExtension refreshes the tied head itself).
-- "[shutdown] ... force killing": vLLM stopping its engine processes at the end of every run.
-- Triton / Model Runner V2 / torch.compile / inductor notes: facts of the CPU build with
-  enforce_eager=True, which proxy.VLLMEngine asks for.
-- "libtcmalloc" / "libiomp is not found in LD_PRELOAD": allocator hints that matter for large models
-  on CPU, not for the tiny one; --verbose shows them.
-- "Reset SSM cache type": a mamba setting; the model has no mamba layers.
+Why (left alone, a default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines), and
+why each entry of NOISE is harmless here: DESIGN.md#quietpy
 """
 
 import hashlib
@@ -55,7 +39,8 @@ NOISE = (
 # action:message:category:module (Python's -W syntax; the module must match in full)
 PY_WARNINGS = (
     "ignore::FutureWarning:vllm.triton_utils.dispatcher",   # torch.distributed.reduce_op, inside vLLM
-    "ignore:resource_tracker:UserWarning",   # vLLM's shared memory queue, left when its worker is killed at exit
+    # vLLM's shared memory queue, left when its worker is killed at exit
+    "ignore:resource_tracker:UserWarning",
 )
 
 
@@ -86,7 +71,8 @@ def vllm_logging_config(level: str = "WARNING") -> dict:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"known_noise": {"()": "quiet.KnownNoise"}},   # importable: proxy.py puts this dir on PYTHONPATH
+        # importable: proxy.py puts this dir on PYTHONPATH
+        "filters": {"known_noise": {"()": "quiet.KnownNoise"}},
         "formatters": {"vllm": {"format": "(vllm pid=%(process)d) %(levelname)s "
                                           "%(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                                 "datefmt": "%m-%d %H:%M:%S"}},
@@ -100,7 +86,8 @@ def write_config(config: dict) -> str:
     """The config as a JSON file vLLM can read; the path is named by the content, so every rank
     writes (or reuses) the same small file and none piles up."""
     text = json.dumps(config, indent=1)
-    path = os.path.join(tempfile.gettempdir(), f"roll-flash-nano-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json")
+    path = os.path.join(tempfile.gettempdir(),
+                        f"roll-flash-nano-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:

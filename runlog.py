@@ -2,23 +2,19 @@
 
     log = RunLog(cfg, start_step)                   # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
-    ctrl.events = log.events                        # the controller records steps and forwards the ranks' events
-    log.step(step, version, info, train, sync, time_train, time_step)   # a row, the tracker, the progress line
+    ctrl.events = log.events                        # the controller records steps, forwards ranks' events
+    log.step(step, version, info, train, sync, time_train, time_step)  # row, tracker, progress line
     log.finish()                                    # the summary at the end
 
-Files in out_dir: metrics.jsonl (a row per step, always), events.jsonl (the timeline for tools/plot.py,
-unless --max-events 0; its format and size bound: timeline.py), tensorboard/ (--tracker
-tensorboard). Trackers (--tracker) get the same keys as metrics.jsonl, every numeric one (a None,
-e.g. sync_probe_max_diff of a sync that was not probed, is left out), on rank 0 only; their
-packages are optional and imported only when asked for: check_tracker() names a missing package
-before any process starts.
+Files in out_dir: metrics.jsonl (a row per step), events.jsonl (for tools/plot.py; format:
+timeline.py), tensorboard/. Trackers (--tracker) get every numeric key of a row, on rank 0 only;
+check_tracker() names a missing optional package before any process starts.
 
-A weight sync overlaps the next step (controller.py), so what its SYNCED acks report reaches the
-row of the step after it: row k carries synced_version (the weights checked: k - 1, or the starting
-weights in row 1), sync_probe_max_diff (None when that sync was not probed), rollout_utilisation
-(engine busy fraction between that ack and the one before), time_receive, time_engine_load and
-time_vllm_load (weight_sync.py: the transfer into the engines, suspend + that + resume, vLLM's own load).
-time_weight_sync is what the trainer itself spent on step k's sync.
+A weight sync overlaps the next step, so its numbers (synced_version, sync_probe_max_diff,
+rollout_utilisation, time_receive, time_engine_load, time_vllm_load) land in the next row;
+time_weight_sync is what the trainer itself spent on this step's sync.
+
+Design notes: DESIGN.md#runlogpy
 """
 
 import asyncio
@@ -159,19 +155,22 @@ class RunLog:
         self.t_start = process_start()
         self.t_ready: float | None = None
         fresh = start_step == 0
-        self.events = EventLog(self.out / "events.jsonl", cfg.max_events, fresh) if cfg.max_events > 0 else None
+        self.events = (EventLog(self.out / "events.jsonl", cfg.max_events, fresh) if cfg.max_events > 0
+                       else None)
         if self.events is None and fresh:     # --max-events 0: no timeline, not an old run's either
             (self.out / "events.jsonl").unlink(missing_ok=True)
         if self.events is not None:
             self.events.add({"ev": "start", "t": self.t_start, "rollout_ranks": cfg.rollout_gpus,
-                             "async_ratio": cfg.async_ratio, "step": start_step, "steps": cfg.steps})
+                             "async_ratio": cfg.controller.async_ratio, "step": start_step,
+                             "steps": cfg.steps})
         self.tracker = make_tracker(cfg, fresh)
 
     async def starting(self, awaitable) -> dict:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
         start-up waits for, again every 15 s; then the "rollout ready" line."""
         n = self.cfg.rollout_gpus
-        print0(f"starting {n} vLLM engine{'s' if n > 1 else ''} and warming up (about 30 s on a 2-core CPU) ...")
+        print0(f"starting {n} vLLM engine{'s' if n > 1 else ''} and warming up "
+               f"(about 30 s on a 2-core CPU) ...")
         task = asyncio.ensure_future(awaitable)
         while not (await asyncio.wait({task}, timeout=15.0))[0]:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
@@ -180,7 +179,8 @@ class RunLog:
         if self.events is not None:
             self.events.add({"ev": "ready", "t": self.t_ready})
         diff = ready.get("sync_probe_max_diff")
-        print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in {self.t_ready - self.t_start:.1f}s since launch"
+        print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in "
+               f"{self.t_ready - self.t_start:.1f}s since launch"
                + (f", probe diff {diff:.1e}" if diff is not None else ""))
         return ready
 
@@ -220,7 +220,8 @@ class RunLog:
         rewards = [x["reward_mean"] for x in self.recent]
         return (f"step {r['step']:4d}/{self.cfg.steps} | v{r['version']} | reward {r['reward_mean']:.3f} "
                 f"(avg10 {sum(rewards) / len(rewards):.3f}) | stale max {r['staleness_max']} mean "
-                f"{r['staleness_mean']:.2f} | dropped {r['samples_dropped_stale']} filtered {r['groups_filtered']} | "
+                f"{r['staleness_mean']:.2f} | dropped {r['samples_dropped_stale']} "
+                f"filtered {r['groups_filtered']} | "
                 f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
                 f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}"
@@ -230,7 +231,8 @@ class RunLog:
     def finish(self, extra: str = ""):
         """End of the run: the last events, the tracker closed, the summary."""
         if self.events is not None:
-            self.events.add({"ev": "end", "t": time.time(), "requests_not_written": self.events.requests_not_written})
+            self.events.add({"ev": "end", "t": time.time(),
+                             "requests_not_written": self.events.requests_not_written})
         self.close()
         print0(self.summary() + (f"\n  {extra}" if extra else ""))
 
@@ -256,8 +258,8 @@ class RunLog:
             vals = [r[key] for r in rs if r.get(key) is not None]
             return sum(vals) / len(vals) if vals else float("nan")
         k = min(10, max(1, n // 2))                 # first k vs last k steps: apart when there are 2+
-        lines = [f"run done: {n} steps in {fmt_s(t_end - self.t_start)} (start-up {fmt_s(t_ready - self.t_start)}, "
-                 f"then {after / n:.2f}s per step)",
+        lines = [f"run done: {n} steps in {fmt_s(t_end - self.t_start)} "
+                 f"(start-up {fmt_s(t_ready - self.t_start)}, then {after / n:.2f}s per step)",
                  f"  reward     {mean('reward_mean', self.first[:k]):.3f} (first {k} steps) -> "
                  f"{mean('reward_mean', list(self.recent)[-k:]):.3f} (last {k})"]
         for key, ((s0, v0), (s1, v1)) in sorted((k_, (e[0], e[-1])) for k_, e in self.evals.items()):
@@ -271,7 +273,27 @@ class RunLog:
             + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
             + f"; checkpoint {self.out / 'checkpoint'}",
             f"  pictures   python -m tools.plot {self.out}"]
-        if self.events is not None and (self.events.requests_not_written or self.events.requests_dropped_by_ranks):
-            lines.append(f"  timeline   {self.events.requests_not_written + self.events.requests_dropped_by_ranks} "
-                         f"request events not written (over --max-events {self.cfg.max_events} or a rank's cap)")
+        if self.events is not None and (self.events.requests_not_written
+                                        or self.events.requests_dropped_by_ranks):
+            lines.append(f"  timeline   "
+                         f"{self.events.requests_not_written + self.events.requests_dropped_by_ranks} "
+                         f"request events not written (over --max-events {self.cfg.max_events} "
+                         f"or a rank's cap)")
         return "\n".join(lines)
+
+
+def trim_metrics(out_dir: str, step: int):
+    """Resume: drop the rows a crashed run wrote after its last checkpoint (they are trained again)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        keep = [line for line in rows if json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+
+def eval_line(e: dict) -> str:
+    return f"evaluation of version {e['eval_version']}: " + ", ".join(
+        f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in e.items()
+        if k != "eval_version")

@@ -1,27 +1,21 @@
 """task.py: the default task, the reward checkers and the dataset reader.
 
-The embedded default task is procedurally generated integer addition, written for the tiny
-character-level model (tiny_model.py):
+Owns the embedded default task, procedurally generated integer addition for the tiny
+character-level model (tiny_model.py); difficulty is the digits per operand (drawn from `digits`):
 
-    prompt   "37+485="        answer "522"        response "522<eos>"
+    problems = make_problems(n, seed, digits=(1, 2, 3))
+    # prompt "37+485="        answer "522"        response "522<eos>"
+    reward(problem, response)   # 1.0 for an exact answer, else 0.0: the paper's RLVR setting
 
-Difficulty is the number of digits per operand (drawn from `digits`), so a short supervised warm
-start leaves the tiny model with partial skill (around 20-60% sampled accuracy) and RL has room to
-show. The reward is 1.0 for an exact answer and 0.0 otherwise, which is the verifiable-reward setting
-of the paper (RLVR).
+Real models pass `--data PATH` (JSONL or parquet rows, scored with math-verify), `--task NAME` (a
+reasoning-gym task and its verifier) or `--reward module:function`, `function(problem: Problem,
+response: str) -> float in [0, 1]`. Verifiers run in RewardPool's worker processes under a timeout
+that really interrupts; the addition check runs inline.
 
-Real models pass `--data PATH`: JSONL or parquet rows with a prompt and an answer, rewarded with
-math-verify (the checker the ROLL and DAPO recipes use for math); or `--task NAME`: a procedural task
-from reasoning-gym, scored by its own verifier; or `--reward module:function` for a verifier of
-one's own, `function(problem: Problem, response: str) -> float in [0, 1]`.
+Deviations from the paper: the default task is a toy sized for the tiny model; per-problem
+`target_len` (benchmarks) asks for exactly that many tokens (ignore_eos), for long-tailed lengths.
 
-Verifiers run in RewardPool's worker processes (env_manager): off the rollout rank's event loop, and
-under a timeout that really interrupts, since a stuck worker is killed and replaced. The embedded
-addition check, a string comparison, runs inline.
-
-`target_len` (optional, per problem) lets benchmarks draw long-tailed response lengths: the rollout
-side then asks the engine for exactly that many tokens (ignore_eos), so a prompt's generation time
-follows a chosen distribution even though the tiny model's answers are short.
+Design notes: DESIGN.md#taskpy
 """
 
 import asyncio
@@ -31,6 +25,8 @@ import multiprocessing
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from config import opt
 
 
 @dataclass
@@ -127,6 +123,53 @@ def reward_math(response: str, answer: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    """Where the problems come from: --data (a dataset), --task (reasoning-gym) or the embedded addition
+    task; and the held-out set --eval-every scores."""
+    data: str = opt("", "JSONL/parquet with prompt + answer rows, scored by math-verify; empty = see --task")
+    prompt_key: str = opt("", "--data: the prompt's field (default: the first of "
+                              + ", ".join(PROMPT_KEYS) + ")")
+    answer_key: str = opt("", "--data: the answer's field (default: the first of "
+                              + ", ".join(ANSWER_KEYS) + ")")
+    task: str = opt("", "a reasoning-gym task (e.g. basic_arithmetic), its own verifier; empty with no "
+                        "--data = the embedded addition task")
+    eval_data: str = opt("", "held-out JSONL/parquet; default: the last --eval-prompts rows of --data, or "
+                             "generated problems from a seed training never uses")
+    eval_prompts: int = opt(64, "held-out prompts per evaluation")
+    eval_k: int = opt(4, "samples per held-out prompt at temperature 1 (mean@k)")
+
+    def __post_init__(self):
+        if self.data and self.task:
+            raise ValueError("--data and --task: pick one source of problems")
+        if self.eval_prompts < 1 or self.eval_k < 1:
+            raise ValueError(f"--eval-prompts and --eval-k must be >= 1, got {self.eval_prompts}, "
+                             f"{self.eval_k}")
+
+    def sources(self, seed: int, evaluate: bool):
+        """(training problems or None, make(rng) -> Problem for generated ones, the held-out problems).
+        Held out: --eval-data if given; else the last --eval-prompts rows of --data (kept out of
+        training); else generated ones from a seed training never uses."""
+        problems = load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None
+        make = reasoning_gym_maker(self.task, seed) if self.task else make_problem
+        n, held_out = self.eval_prompts, []
+        if not evaluate:
+            return problems, make, held_out
+        if self.eval_data:
+            held_out = load_dataset(self.eval_data, self.prompt_key, self.answer_key)[:n]
+        elif problems is not None:
+            if len(problems) <= n:
+                raise ValueError(f"--eval-every: --data has {len(problems)} rows, too few to hold out "
+                                 f"--eval-prompts {n}; pass --eval-data")
+            held_out, problems = problems[-n:], problems[:-n]
+        elif self.task:
+            make_held_out = reasoning_gym_maker(self.task, seed + 1_000_003)
+            held_out = [make_held_out(random.Random(i)) for i in range(n)]
+        else:
+            held_out = make_problems(n, seed=seed + 1_000_003)
+        return problems, make, held_out
+
+
 # procedural tasks: reasoning-gym
 
 

@@ -6,32 +6,16 @@
     log.add(e); log.extend(es)          # in memory, on the controller's path
     log.flush()                         # to events.jsonl, after each step and at the end
 
-events.jsonl, one JSON object per line; times are time.time() seconds. One clock for every process:
-this assumes the ranks of a run share a node (or NTP-synchronised clocks across nodes; tools/plot.py
-draws whatever it is given). "ev" says what it is:
-    start      t, rollout_ranks, async_ratio, step (where this session starts), steps  (every session;
-               a resumed run appends, and tools/plot.py draws the last session)
-    ready      t: the engines acked READY (start-up ends)
-    step       version, collect / train / wait_sync / broadcast: [start, end] each: the trainer's step
-               as the controller sees it (train = from the batch to the sync: advantages + optimizer
-               step + gathering the weights; wait_sync = the previous sync's acks)
-    phase      rank, name (engine_start | suspend | load | resume; receive in runs recorded before
-               weight_sync.py), version, t: [start, end]
-    req        rank, t: [start, end], v: [version of its first token, of its last], n: tokens,
-               finish: stop | length | abort   (one engine request: a turn of a trajectory)
-    dropped    rank, n: request events a rank dropped (more than its cap between two acks)
-    end        t, requests_not_written
-Where they come from: the proxy records each request and its engine's suspend, load and resume; the
-rollout rank (train.py) the engine's start; the controller each step's spans. The
-ranks' events travel to rank 0 in the acks they already send (buffer.Ack.events: SYNCED after
-every weight sync, STOPPED at the end); the protocol and its timing are unchanged (an ack then
-carries a few hundred events, about 30 KB: a few ms of pickling, off the trainer's path, since the
-controller reads a SYNCED ack only at the next sync).
+events.jsonl: one JSON object per line, "ev" one of start, ready, step, phase, req, dropped, end;
+times are time.time() seconds, one clock for every process (the ranks of a run share a node, or
+NTP-synchronised clocks across nodes). The ranks' events ride in the acks they already send
+(buffer.Ack.events: SYNCED, STOPPED), so the protocol and its timing are unchanged.
 
-Size bound: a rank keeps at most 20,000 events between two acks (the oldest go first, counted in a
-"dropped" event), and rank 0 writes at most --max-events request events per session (the first
-ones; later ones are only counted in "end"); steps and phases, a few per step, are always written.
-A request event is about 100 bytes: the default cap of 100,000 is about 10 MB.
+Size bound: a rank keeps at most 20,000 events between two acks (the oldest go first, counted in
+a "dropped" event); rank 0 writes at most --max-events request events per session (later ones are
+only counted in "end"); steps and phases are always written.
+
+Design notes (every event's fields, sizes): DESIGN.md#timelinepy
 """
 
 import json
@@ -67,7 +51,8 @@ class RankEvents:
     def request(self, t0: float, t1: float, c):
         """One finished engine request (a proxy.Completion) that ran from t0 to t1."""
         first = c.versions[0] if c.versions else c.submit_version
-        self.add({"ev": "req", "rank": self.rank, "t": [t0, t1], "v": [first, c.versions[-1] if c.versions else first],
+        self.add({"ev": "req", "rank": self.rank, "t": [t0, t1],
+                  "v": [first, c.versions[-1] if c.versions else first],
                   "n": len(c.token_ids), "finish": c.finish_reason or "error"})
 
     def phase(self, name: str, t0: float, t1: float, version: int):

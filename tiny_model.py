@@ -3,15 +3,14 @@
     python tiny_model.py                  # build (or reuse) .cache/tiny-qwen2, print size and accuracy
     python tiny_model.py --force          # rebuild
 
-A small Qwen2-architecture causal LM (4 layers, hidden 128, 2 heads of head_dim 64; vLLM's CPU
-attention rejects head_dim 16) with a character-level tokenizer saved as tokenizer.json, written as
-a Hugging Face model dir (config.json, model.safetensors, tokenizer files) that vLLM and transformers
-both load. Weights are float32 so that engine and trainer logprobs agree to ~1e-6.
+What lives here: a small Qwen2-architecture causal LM (4 layers, hidden 128, 2 heads of head_dim
+64) with a character-level tokenizer (CHARS), written as a Hugging Face model dir that vLLM and
+transformers both load; float32 weights, so engine and trainer logprobs agree to ~1e-6. A short
+supervised warm start on the default task (task.py) gives it some skill and is deliberately stopped
+early so RL has room to grow. Deterministic given the seed; cached, rebuilt only when missing or
+when the build settings change (a hash of them in build.json).
 
-A short supervised warm start on the default task (task.py) gives the model some skill, the way RL
-starts from a base model rather than from noise; it is deliberately stopped early so RL has room to
-grow. Deterministic given the seed (single-threaded CPU training). The dir is cached and rebuilt only
-when missing or when the build settings change (a hash of them is stored in build.json).
+Design notes: DESIGN.md#tiny_modelpy
 """
 
 import argparse
@@ -118,7 +117,8 @@ def sample_accuracy(model, tokenizer, problems: list[task.Problem], greedy: bool
     for _ in range(max_new_tokens):
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1, :]
-        nxt = logits.argmax(-1) if greedy else torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0]
+        nxt = (logits.argmax(-1) if greedy
+               else torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0])
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
                 if t == tokenizer.eos_token_id:

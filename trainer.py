@@ -1,38 +1,18 @@
-"""trainer.py: the training side. Model, optimizer, data parallel, logprobs, weight broadcast, checkpoints.
-
-Runs on every trainer rank (torch.distributed group `trainer_group`):
+"""trainer.py: the training side, on every trainer rank: model, optimizer, FSDP2 data parallel,
+logprobs, checkpoints; and TrainerRanks, the trainer ranks in lockstep under rank 0.
 
     trainer = Trainer(model_dir, TrainConfig(...), trainer_group)
     metrics = trainer.train_step(samples, advantages, version)   # this rank's shard of the batch
-    named = trainer.full_state()                             # full HF-named weights (collective)
-    trainer.save_checkpoint(out_dir, state)                  # collective; rank 0 writes
+    for name, tensor in trainer.iter_full_state(): ...           # full HF-named weights (collective)
+    trainer.save_checkpoint(out_dir, state)                       # collective; rank 0 writes
 
-Data parallel is FSDP2 (`fully_shard` on each decoder layer and on the whole model) over the
-trainer group when it has more than one rank, so a model larger than one GPU trains; gradients are
-averaged across ranks by FSDP's reduce-scatter. `full_state()` gathers full tensors (DTensor
-full_tensor) for the weight broadcast and for checkpoints.
-
-Weight broadcast (`broadcast_weights` / `receive_weights`): trainer rank 0 sends the full weights
-to every rollout rank over the weight-sync group (gloo on CPU, NCCL on GPU), in flat buckets of
-about `bucket_mb` each; both sides derive the bucket plan from the same (name, shape, dtype) list,
-so tensors arrive under their HF names and the engines load them as they are.
-
-A batch is --ppo-epochs passes of --mini-batches optimizer steps (default 1 x 1: one step per
-batch). The trainer's logprobs before the batch's first step are computed first when the loss needs
-them (decoupled_ppo's proximal policy; --recompute-old-logprobs), and the mean |engine - trainer|
-logprob gap is reported per step: over all samples (staleness + numerical mismatch) and over the
-on-policy ones alone (mismatch only). Under FSDP every rank runs the same number of micro-batches
-(the largest rank's count; a short rank runs empty ones of weight 0), since each is a collective.
-
-Deliberate simplifications:
-- With one optimizer step per batch (the default) decoupled PPO's proximal policy is the current
-  one and its clip never binds: use --mini-batches or --ppo-epochs > 1 to give it a trust region.
-- Mini-batches keep the same samples in every epoch (shuffled once per batch, not per epoch).
-- Loss normalisation across micro-batches and ranks: each rank's loss is its local token-mean (or
-  seq-mean) and FSDP averages the ranks' gradients, so ranks weigh equally rather than by their
-  token counts; with the round-robin batch split the difference is small.
-- The optimizer state is saved per trainer rank (its FSDP shards); resuming needs the same number
-  of trainer ranks. The model itself is saved whole, in HF format.
+FSDP2 (`fully_shard` per decoder layer and on the whole model) over the trainer group when it has
+more than one rank. A batch is --ppo-epochs passes of --mini-batches optimizer steps; under FSDP
+every rank runs the same number of micro-batches (short ranks run empty ones of weight 0).
+Simplifications: with one optimizer step per batch decoupled PPO's proximal policy is the current
+one; mini-batches keep their samples across epochs; each rank's loss is its local mean (ranks weigh
+equally); the optimizer state is saved per rank, so a resume needs the same --train-gpus.
+Details: DESIGN.md#trainerpy.
 """
 
 import errno
@@ -40,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,61 +29,40 @@ import torch.distributed as dist
 
 import losses
 from buffer import Sample
-from config import flag
+from config import flag, opt
 
-EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)   # a micro-batch with nothing to learn (FSDP padding)
+# a micro-batch with nothing to learn (FSDP padding)
+EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
 
 
 @dataclass
-class TrainConfig:
-    loss: str = "ppo"                 # one of losses.VARIANTS
-    lr: float = 3e-4                  # AdamW learning rate
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0            # max global grad norm
-    warmup_steps: int = 10            # linear LR warm-up (in batches): Adam's first steps are sign-like and large
-    ppo_epochs: int = 1               # passes over each batch
-    mini_batches: int = 1             # optimizer steps per pass: the batch is split into this many
-    recompute_old_logprobs: bool = False   # old logprobs from the trainer before the update, not the engine's
-    # the losses' hyperparameters (losses.compute_policy_loss), each with its paper's default
-    clip_low: float = 0.2             # PPO-family ratio clip, lower (PPO: 0.2)
-    clip_high: float = 0.28           # PPO-family ratio clip, upper (DAPO's clip-higher: 0.28)
-    dual_clip: float = 0.0            # dual-clip PPO's c for A < 0 (Ye et al. 2020 use 3); 0 = off
-    behav_weight_cap: float = 0.0     # decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); 0 = off
-    tis_cap: float = 2.0              # tis: IS weight cap (Yao et al. 2025: 2)
-    cispo_low: float = 1.0            # cispo: IS weight >= 1 - this (MiniMax-M1: no lower bound)
-    cispo_high: float = 0.28          # cispo: IS weight <= 1 + this (unpublished in MiniMax-M1)
-    topr_pos_weight: float = 1.0      # topr: scale of A > 0 tokens (Le Roux et al. 2025: 1)
-    topr_neg_weight: float = 1.0      # topr: scale of A <= 0 tokens (Le Roux et al. 2025: 1)
-    gspo_clip_low: float = 3e-4       # gspo: sequence-ratio clip, lower (Zheng et al. 2025: 3e-4)
-    gspo_clip_high: float = 4e-4      # gspo: sequence-ratio clip, upper (Zheng et al. 2025: 4e-4)
-    loss_agg: str = "token-mean"      # token-mean | seq-mean-token-mean
-    micro_batch: int = 64             # sequences per forward/backward
-    bucket_mb: int = 64               # weight broadcast bucket size, MiB
-    seed: int = 0
+class TrainConfig(losses.LossConfig):
+    """The trainer's settings; the loss and its hyperparameters are losses.LossConfig's fields."""
+    lr: float = opt(3e-4, "AdamW learning rate (linear warm-up over the first --warmup-steps steps)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    warmup_steps: int = opt(10, "linear LR warm-up, optimizer steps (Adam's first steps are sign-like and "
+                                "large)")
+    ppo_epochs: int = opt(1, "passes over each batch")
+    mini_batches: int = opt(1, "optimizer steps per pass (the batch split into this many); "
+                               "decoupled_ppo's proximal policy is frozen before the first, so its clip acts "
+                               "from the second on")
+    recompute_old_logprobs: bool = opt(False, "old logprobs from the trainer before the update, not the "
+                                              "engine's sampling logprobs (the gap between the two is logged "
+                                              "either way)")
+    micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
+    seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
 
     def __post_init__(self):
-        if self.loss not in losses.VARIANTS:
-            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(losses.VARIANTS)}")
-        if self.lr <= 0 or self.micro_batch < 1 or self.bucket_mb < 1:
-            raise ValueError("TrainConfig: lr must be > 0, micro_batch and bucket_mb >= 1")
-        if self.ppo_epochs < 1 or self.mini_batches < 1:
-            raise ValueError(f"--ppo-epochs and --mini-batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
-        for gspo in (False, True):        # the losses' own check, its message naming our flag
-            try:
-                losses.check_hparams(**self.loss_kwargs(gspo))
-            except ValueError as e:
-                name, rest = str(e).split(" ", 1)
-                name = "loss_agg" if name == "agg" else ("gspo_" + name if gspo and name.startswith("clip") else name)
-                raise ValueError(f"{flag(name)} {rest}" + (" (0 = off)" if "None" in rest else "")) from None
-
-    def loss_kwargs(self, gspo: bool | None = None) -> dict:
-        """compute_policy_loss's hyperparameters for this config's loss (gspo has its own clip range)."""
-        gspo = self.loss == "gspo" if gspo is None else gspo
-        return dict(clip_low=self.gspo_clip_low if gspo else self.clip_low,
-                    clip_high=self.gspo_clip_high if gspo else self.clip_high, dual_clip=self.dual_clip or None,
-                    tis_cap=self.tis_cap, cispo_low=self.cispo_low, cispo_high=self.cispo_high,
-                    topr_pos_weight=self.topr_pos_weight, topr_neg_weight=self.topr_neg_weight, agg=self.loss_agg,
-                    behav_weight_cap=self.behav_weight_cap or None)
+        super().__post_init__()
+        for name, low in (("micro_batch", 1), ("ppo_epochs", 1), ("mini_batches", 1), ("warmup_steps", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
+        for name in ("lr", "grad_clip"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -131,7 +91,8 @@ def collate(samples, device) -> dict[str, torch.Tensor]:
         attn[i, :n] = 1
         old_logp[i, n_p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
         mask[i, n_p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    return {k: v.to(device) for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
+    return {k: v.to(device)
+            for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
 
 
 def split(items: list, n: int) -> list[list]:
@@ -172,7 +133,7 @@ class Trainer:
             fully_shard(model, mesh=mesh)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.num_steps = 0                # batches trained (restored from checkpoints; the LR warm-up counts these)
+        self.num_steps = 0                # batches trained (restored on resume; the LR warm-up counts these)
 
     # --- training
     def train_step(self, samples, advantages: list[float], version: int | None = None) -> dict:
@@ -210,7 +171,8 @@ class Trainer:
                     old = t["pre"] if cfg.recompute_old_logprobs else t["old_logp"]
                     loss, m = losses.compute_policy_loss(logp, old, t["adv"], t["mask"], cfg.loss,
                                                          prox_logp=t.get("pre"), **kw)
-                    (loss * t["weight"]).backward()    # weights: the step's loss is the mini-batch's token-mean
+                    # weights: the step's loss is the mini-batch's token-mean
+                    (loss * t["weight"]).backward()
                     for k, v in {"loss": loss.item(), **m}.items():
                         sums[k] = sums.get(k, 0.0) + v * t["weight"]
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -219,7 +181,8 @@ class Trainer:
                 self.opt.step()
                 self.update_metrics.append({**sums, "grad_norm": float(grad_norm)})
         self.num_steps += 1
-        out = {k: sum(u[k] for u in self.update_metrics) / len(self.update_metrics) for k in self.update_metrics[0]}
+        out = {k: sum(u[k] for u in self.update_metrics) / len(self.update_metrics)
+               for k in self.update_metrics[0]}
         out.update(lr=lr, num_updates=len(self.update_metrics))
         for key, (total, n) in gap.items():
             if n:
@@ -249,9 +212,11 @@ class Trainer:
             for part in split(mini, num_micro):
                 batch = [samples[i] for i in part] or [EMPTY]
                 t = collate(batch, self.device)
-                t["adv"] = torch.tensor([advantages[i] for i in part] or [0.0], dtype=torch.float32, device=self.device)
+                t["adv"] = torch.tensor([advantages[i] for i in part] or [0.0], dtype=torch.float32,
+                                        device=self.device)
                 t["on_policy"] = torch.tensor([version is not None and bool(s.versions) and
-                                               all(v == version for v in s.versions) for s in batch], device=self.device)
+                                               all(v == version for v in s.versions) for s in batch],
+                                              device=self.device)
                 if not part:
                     t["weight"] = 0.0
                 elif cfg.loss_agg == "token-mean":
@@ -273,7 +238,8 @@ class Trainer:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of what the engines load, without gathering (a sharded DTensor knows its
         full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it."""
-        return [(n, v) for n, v in self.model.state_dict().items() if not (self.tied and n == "lm_head.weight")]
+        return [(n, v) for n, v in self.model.state_dict().items()
+                if not (self.tied and n == "lm_head.weight")]
 
     def iter_full_state(self):
         """(HF name, full tensor on this rank's device), one weight at a time: under FSDP each is one
@@ -308,7 +274,8 @@ class Trainer:
             torch.save(self.opt.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
             if self.rank == 0:
                 self._write_model(tmp, named, state, tokenizer_dir)
-        except (OSError, RuntimeError) as e:   # torch.save reports a full disk as RuntimeError("... iostream error")
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a full disk as RuntimeError("... iostream error")
             shutil.rmtree(tmp, ignore_errors=True)
             raise OSError(checkpoint_error(tmp, e)) from e
         if self.group is not None:
@@ -316,8 +283,6 @@ class Trainer:
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)      # a killed save of this same step left it unlinked
             os.replace(tmp, final)
-            if link.exists() and not link.is_symlink():   # a checkpoint dir of the earlier layout
-                os.replace(link, out / "checkpoint-legacy")
             new_link = out / "checkpoint.link-tmp"
             new_link.unlink(missing_ok=True)
             os.symlink(name, new_link)
@@ -333,14 +298,16 @@ class Trainer:
         self.model.config.save_pretrained(tmp)
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(tmp)
-        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
 
     def load_optimizer(self, ckpt_dir: str):
         path = Path(ckpt_dir) / f"optimizer.rank{self.rank}.pt"
         if not path.exists():
-            raise FileNotFoundError(f"--resume: {path} missing (resume needs the same number of trainer ranks)")
+            raise FileNotFoundError(f"--resume: {path} missing (resume needs the same number of trainer "
+                                    f"ranks)")
         # weights_only: a crafted optimizer file must not run code on --resume
         self.opt.load_state_dict(torch.load(path, weights_only=True))
 
@@ -362,3 +329,152 @@ def read_checkpoint_state(out_dir: str) -> dict | None:
     """The latest complete checkpoint's state.json, or None when out_dir holds none."""
     path = Path(out_dir) / "checkpoint" / "state.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def check_run_dir(out_dir: str, resume: str, overwrite: bool, steps: int, train_gpus: int,
+                  model: str) -> dict | None:
+    """Before any process group or engine starts: does what --out-dir holds fit what was asked?
+    Returns the checkpoint state to resume from (None: a fresh run); exits naming the problem."""
+    out = Path(out_dir)
+    state = read_checkpoint_state(out_dir)
+    if resume == "no" or (resume == "auto" and state is None):
+        if state is not None and not overwrite:
+            sys.exit(f"train.py: --out-dir {out} holds a checkpoint (step {state['step']}): pass --resume "
+                     f"to continue it, or --overwrite to start over (its metrics and checkpoint are then "
+                     f"replaced)")
+        try:                                    # writable? (rank 0 writes; every rank checks, cheaply)
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            sys.exit(f"train.py: --out-dir {out} cannot be written: {e.strerror}")
+        return None
+    if state is None:
+        sys.exit(f"train.py: --resume: no checkpoint in {out / 'checkpoint'}")
+    saved = state.get("config", {})
+    if saved.get("train_gpus", train_gpus) != train_gpus:
+        sys.exit(f"train.py: --resume: the checkpoint was written by {saved['train_gpus']} trainer ranks "
+                 f"(--train-gpus {saved['train_gpus']}); its optimizer is sharded that way, so resume with "
+                 f"the same")
+    if model and model != saved.get("model", model):
+        sys.exit(f"train.py: --resume: --model {model} is not the model this run started from "
+                 f"({saved.get('model') or 'the embedded tiny model'}); a resumed run continues its "
+                 f"checkpoint")
+    if steps <= state["step"]:
+        if resume == "auto":      # a restart after the final checkpoint: the run is complete
+            print(f"train.py: --resume auto: the checkpoint in {out} is at step {state['step']} >= --steps "
+                  f"{steps}: nothing left to do", flush=True)
+            sys.exit(0)
+        sys.exit(f"train.py: --resume: the checkpoint is at step {state['step']}, so --steps {steps} leaves "
+                 f"nothing to do; pass --steps > {state['step']}")
+    return state
+
+
+def check_model_dir(model: str):
+    """--model, read before anything starts: a bad one is named with what is wrong."""
+    path = Path(model)
+    if not path.is_dir():
+        sys.exit(f"train.py: --model {path}: no such directory")
+    if not (path / "config.json").exists():
+        sys.exit(f"train.py: --model {path}: not a Hugging Face model dir (no config.json)")
+    try:
+        json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        sys.exit(f"train.py: --model {path}: config.json is not valid JSON ({e})")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        sys.exit(f"train.py: --model {path}: no weights (*.safetensors or pytorch_model*.bin)")
+    try:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        sys.exit(f"train.py: --model {path}: its tokenizer does not load: {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer ranks in lockstep
+
+
+PROBE_TEXT = "123+456=579"   # the weight-sync probe: any token sequence the model's vocab covers
+
+
+def collective(phase: str, fn, *args, **kwargs):
+    """Run a torch.distributed call; a timeout or a dead peer fails naming this rank and the phase
+    (the groups carry the timeout: --timeout-s, longer for the default group's start-up)."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {os.environ.get('RANK', '?')}: {phase} failed or timed out: {e}") from None
+
+
+class TrainerRanks:
+    """The trainer ranks in lockstep. Rank 0 decides each op ("train", "send", "probe", "save", "stop")
+    and broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives need
+    all of them. Ranks > 0 just follow()."""
+
+    def __init__(self, trainer: Trainer, num_ranks: int, group, out_dir: str, model_dir: str,
+                 probe_ids: list[int]):
+        self.trainer, self.num_ranks, self.group = trainer, num_ranks, group
+        self.out_dir, self.model_dir, self.probe_ids = out_dir, model_dir, probe_ids
+        self.sender = None     # rank 0: weight_sync.Sender, set once the run's store is known
+
+    def train(self, batch, advantages: list[float], version: int, probe: bool):
+        """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
+        metrics and, if `probe`, the trainer's probe logprobs under the new weights."""
+        n = self.num_ranks
+        return self._run({"op": "train", "samples": [batch[r::n] for r in range(n)], "version": version,
+                          "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
+
+    def save(self, state: dict):
+        self._run({"op": "save", "state": state})
+
+    def send_weights(self, group, meta):
+        """The weights into every engine over `group` (weight_sync.GroupSpec): each trainer rank
+        gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket (self.sender).
+        Runs in the controller's thread while rank 0's event loop waits."""
+        self._run({"op": "send", "group": group, "meta": meta})
+
+    def probe(self) -> list[float]:
+        """The trainer's logprobs of the probe sequence (a forward pass on every rank under FSDP)."""
+        return self._run({"op": "probe"})
+
+    def stop(self):
+        self._tell({"op": "stop"})
+
+    def follow(self):
+        while True:
+            box = [None]
+            collective("waiting for trainer rank 0's next op", dist.broadcast_object_list, box, src=0,
+                       group=self.group)
+            if box[0]["op"] == "stop":
+                return
+            self._do(box[0])
+
+    def _run(self, op: dict):
+        self._tell(op)
+        return self._do(op)
+
+    def _tell(self, op: dict):
+        if self.num_ranks > 1:
+            collective(f"sending '{op['op']}' to the trainer ranks", dist.broadcast_object_list, [op], src=0,
+                       group=self.group)
+
+    def _do(self, op: dict):
+        if self.num_ranks > 1:    # FSDP: the op's collectives (batch plan, forward/backward, gathers) name it
+            return collective(f"the trainer ranks' '{op['op']}'", self._op, op)
+        return self._op(op)
+
+    def _op(self, op: dict):
+        tr = self.trainer
+        if op["op"] == "train":
+            metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank], op["version"])
+            return metrics, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
+        if op["op"] == "send":                                         # gathers: collective under FSDP
+            if tr.rank == 0:
+                return self.sender.send(op["group"], tr.iter_full_state(), op["meta"])
+            for _ in tr.iter_full_state():
+                pass
+        if op["op"] == "probe":
+            return tr.probe_logprobs(self.probe_ids)
+        if op["op"] == "save":
+            tr.save_checkpoint(self.out_dir, op["state"], self.model_dir)

@@ -1,35 +1,23 @@
 """weight_sync.py: the weights, from trainer rank 0 straight into every vLLM worker.
 
-One process group: rank 0 is the sender (trainer rank 0; in a benchmark or test that holds the
-trainer and the engines in one process, that process), ranks 1.. are the model workers of every
-engine (engine e's worker w is rank 1 + e * workers_per_engine + w). It is built with vLLM's
-stateless process-group helpers on a key-value store the run already has (train.py: the default
-group's store, at MASTER_ADDR:MASTER_PORT), so it lives beside torch.distributed's default group
-without touching it. gloo on CPU, NCCL on GPU: the same code, the backend's name apart.
+    sender = Sender(host, port, store=store, backend="nccl")     # trainer rank 0 (train.py)
+    meta = weight_meta(trainer.named_weights(), dtype)            # names, shapes, dtypes: rides on Cmd.SYNC
+    sender.send(sender.spec(gen, num_engines), trainer.iter_full_state(), meta)
+    await proxy.update_weights(meta, version, spec)   # each rollout rank, engine suspended: its workers'
+                                                      # WeightSyncWorker.receive_weights (collective_rpc)
+    await push(proxies, sender, named, version)       # one process holding both (benchmarks, tests)
 
-A sync, on each side (the rollout rank orchestrates; it never holds the weights):
+What lives here: the one weight-sync group (rank 0 the sender, ranks 1.. every engine's workers,
+built with vLLM's stateless helpers on the run's key-value store; gloo on CPU, NCCL on GPU, the same
+code), the bucket plan (plan_buckets over weight_meta, computed alike on both sides), Sender (gather,
+flatten and broadcast bucket by bucket) and WeightSyncWorker (the vLLM worker extension that
+receives each bucket and loads it as it arrives). A replaced engine means a new group generation.
 
-    rollout rank    suspend -> collective_rpc("receive_weights", spec, meta) -> resume
-    trainer rank 0  for each bucket: gather its tensors (FSDP2: one parameter at a time) -> one
-                    flat tensor -> broadcast                                       (Sender.send)
-    vLLM worker     for each bucket: receive into a flat buffer on its own device -> views ->
-                    the model's own load_weights, through reload_weights      (WeightSyncWorker)
+Deviations, on purpose: the group is formed at the first sync, not at engine start (on NCCL the
+communicator's start-up lands in the first sync); weights travel in the engine's dtype; vLLM's own
+weight_transfer package is CUDA-only, and the point here is one code path for CPU and GPU.
 
-The bucket plan (plan_buckets over weight_meta) is computed alike on both sides from the meta the
-SYNC command carries: names, shapes and dtypes, never tensors. collective_rpc carries only that
-and the group's address.
-
-Generations: a worker joins the group on its engine's first sync. A replaced engine's workers
-cannot enter a group whose members are fixed, so after a replacement every member forms a new
-one (GroupSpec.gen + 1, keys under a new prefix; controller.py decides when).
-
-Deliberate simplifications:
-- The group is formed at the first sync, not at engine start: the sender is busy training then,
-  and joining is part of the first receive. On NCCL that puts the communicator's start-up (a
-  second or two) into the first sync.
-- Weights travel in the engine's dtype (meta's), cast by the sender bucket by bucket.
-- vLLM's own weight_transfer package (NCCL engine, packed buffers) is CUDA-only (PyNccl); this
-  module's point is that the CPU path is the same code as the GPU one. See README.
+Design notes: DESIGN.md#weight_syncpy
 """
 
 from dataclasses import asdict, dataclass
@@ -113,7 +101,8 @@ class Sender:
     here on a free port (one process holding trainer and engines: benchmarks, tests)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, store=None, prefix: str = "run",
-                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0, bucket_bytes: int = 64 << 20):
+                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0,
+                 bucket_bytes: int = 64 << 20):
         if store is None:
             from torch.distributed import TCPStore
             store = TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -125,7 +114,8 @@ class Sender:
         self.buf = None           # the bucket being sent, bytes (kept: fresh memory costs page faults)
 
     def spec(self, gen: int, num_engines: int, workers_per_engine: int = 1) -> GroupSpec:
-        return GroupSpec(**{**asdict(self.spec0), "gen": gen, "world_size": 1 + num_engines * workers_per_engine,
+        return GroupSpec(**{**asdict(self.spec0), "gen": gen,
+                            "world_size": 1 + num_engines * workers_per_engine,
                             "workers_per_engine": workers_per_engine})
 
     def send(self, spec: GroupSpec, named, meta: Meta, who: str = "trainer rank 0"):
@@ -140,7 +130,8 @@ class Sender:
                 self.pg, self.gen = open_group(spec, 0, self.store), spec.gen
             plan = plan_buckets(meta, spec.bucket_bytes)
             nbytes = [meta_bytes([meta[i] for i in idx]) for idx in plan]
-            if self.buf is None or self.buf.numel() < max(nbytes, default=0):   # one bucket, reused: no fresh pages
+            # one bucket, reused: no fresh pages
+            if self.buf is None or self.buf.numel() < max(nbytes, default=0):
                 self.buf = torch.empty(max(nbytes), dtype=torch.uint8, device=self.device)
             for b, idx in enumerate(plan):
                 parts = []
@@ -178,7 +169,8 @@ class WeightSyncWorker:
             try:
                 self._sync_pg = open_group(spec, rank)
             except Exception as e:
-                raise RuntimeError(f"{who}: joining the weight-sync group at {spec.host}:{spec.port} failed: {e}") from None
+                raise RuntimeError(f"{who}: joining the weight-sync group at {spec.host}:{spec.port} "
+                                   f"failed: {e}") from None
             self._sync_gen = (spec.host, spec.port, spec.prefix, spec.gen)
         device = self.model_runner.device
         count, wait = [0], [0.0]
@@ -199,7 +191,8 @@ class WeightSyncWorker:
                     work.wait()
                 except RuntimeError as e:              # the group is broken: the next sync forms a new one
                     self._sync_gen = None
-                    raise RuntimeError(f"{who}: weight broadcast bucket {b} failed or timed out: {e}") from None
+                    raise RuntimeError(f"{who}: weight broadcast bucket {b} failed or timed out: "
+                                       f"{e}") from None
                 wait[0] += time.monotonic() - t
                 pending = post(b + 1) if b + 1 < len(plan) else None
                 for i, chunk in zip(idx, torch.split(flat, sizes[b])):
@@ -208,7 +201,8 @@ class WeightSyncWorker:
 
         stream = tensors()
         self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
-        for _ in stream:          # (a loader that stopped early: the broadcast still needs every bucket received)
+        # (a loader that stopped early: the broadcast still needs every bucket received)
+        for _ in stream:
             pass
         self._fix_tied_head()
         return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
@@ -219,7 +213,8 @@ class WeightSyncWorker:
         # which then still holds the old embedding (verified). Copy and re-run the head's
         # post-load step. On GPU the head shares the embedding's tensor and this is a cheap copy.
         model = self.model_runner.get_model()
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        if (getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+                and hasattr(model, "lm_head")):
             head, emb = model.lm_head, model.model.embed_tokens.weight
             if head.weight is not emb:
                 head.weight.data.copy_(emb.data)
@@ -235,4 +230,5 @@ async def push(proxies, sender: Sender, named, version: int, gen: int = 0):
     meta = weight_meta(named)
     spec = sender.spec(gen, len(proxies))
     await asyncio.gather(asyncio.to_thread(sender.send, spec, named, meta),
-                         *[p.update_weights(meta, version, spec, first_rank=1 + i) for i, p in enumerate(proxies)])
+                         *[p.update_weights(meta, version, spec, first_rank=1 + i)
+                           for i, p in enumerate(proxies)])

@@ -116,6 +116,6 @@ def chat_model(tmp_path_factory) -> dict:
     tok.save_pretrained(d)
     data = root / "questions.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
-    lengths = [len(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
-                                           return_dict=False)) for q, _ in rows]
+    lengths = [len(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                           add_generation_prompt=True, return_dict=False)) for q, _ in rows]
     return {"dir": d, "data": data, "prompt_tokens": (min(lengths), max(lengths))}

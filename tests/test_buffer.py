@@ -5,7 +5,8 @@ import asyncio
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from buffer import ORDERS, Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample, SampleBuffer, fresh
+from buffer import (ORDERS, Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample,
+                    SampleBuffer, fresh)
 from task import Problem
 
 
@@ -44,7 +45,8 @@ def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_rati
             for group in asm.take(op[1], version):
                 assert len(group) == group_size and len({s.group_id for s in group}) == 1
                 for s in group:
-                    assert s.oldest_version >= version - async_ratio, "returned a sample violating the async ratio"
+                    assert s.oldest_version >= version - async_ratio, \
+                        "returned a sample violating the async ratio"
                     assert not s.failed
                 if group_size > 1:
                     assert len({s.reward for s in group}) > 1, "an all-equal group reached training"
@@ -88,9 +90,9 @@ def test_group_assembly_filter_stale_and_surplus():
 def test_local_queues_buffer_roundtrip_and_timeout():
     async def main():
         b = SampleBuffer(LocalQueues(num_ranks=2), who="test rank", timeout_s=0.05)
-        await b.put_task(RolloutTask("t0", "g0", Problem("1+1=", "2")))
-        assert (await b.get_task()).task_id == "t0"
-        assert b.get_task_nowait() is None
+        await b.put_tasks([RolloutTask("t0", "g0", Problem("1+1=", "2"))])
+        assert [t.task_id for t in b.get_tasks_nowait(5)] == ["t0"]
+        assert b.get_tasks_nowait(5) == []
         await b.send_command(1, Command(Cmd.STOP))
         assert b.get_command_nowait(0) is None and b.get_command_nowait(1) == Command(Cmd.STOP)
         with pytest.raises(TimeoutError, match="test rank.*samples"):
@@ -110,9 +112,13 @@ def test_manager_queues_over_tcp():
 
         async def main():
             b_srv, b_cli = SampleBuffer(server, "server"), SampleBuffer(client, "client")
-            await b_srv.put_task(RolloutTask("t1", "g1", Problem("2+2=", "4")))
-            t = await b_cli.get_task(timeout=5)
-            await b_cli.put_sample(sample("g1", [0, 1], 1.0))
+            await b_srv.put_tasks([RolloutTask("t1", "g1", Problem("2+2=", "4"))])
+            for _ in range(500):              # the task crosses the TCP connection: poll, up to 5 s
+                if got := b_cli.get_tasks_nowait(1):
+                    break
+                await asyncio.sleep(0.01)
+            t = got[0]
+            await b_cli.put_samples([sample("g1", [0, 1], 1.0)])
             s = await b_srv.get_sample(timeout=5)
             return t, s
         t, s = asyncio.run(main())

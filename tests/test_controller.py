@@ -13,9 +13,10 @@ from task import Problem, make_problem
 
 
 def controller(version=0, **kw) -> AsyncController:
-    cfg = ControllerConfig(**{"batch_groups": 4, "group_size": 2, **kw})
+    cfg = ControllerConfig(**{"batch_groups": 4, "group_size": 2, "redundant": 0, **kw})
     problems = (Problem(f"{i}+0=", str(i)) for i in itertools.count())
-    return AsyncController(cfg, SampleBuffer(LocalQueues(2), "test"), problems, num_rollout_ranks=2, version=version)
+    return AsyncController(cfg, SampleBuffer(LocalQueues(2), "test"), problems, num_rollout_ranks=2,
+                           version=version)
 
 
 @pytest.mark.parametrize("async_ratio", [0, 1, 2])
@@ -40,7 +41,7 @@ def test_no_replication_puts_one_task_per_prompt():
     async def main():
         c = controller(replicate=False)
         n = await c.admit()
-        tasks = [c.buffer.get_task_nowait() for _ in range(c.buffer.num_queued_tasks())]
+        tasks = [t for t in c.buffer.get_tasks_nowait(c.buffer.num_queued_tasks())]
         assert len(tasks) == n and all(t.num_samples == 2 for t in tasks)
     asyncio.run(main())
 
@@ -70,8 +71,9 @@ def test_sync_timeout_names_the_rank_that_did_not_ack():
         assert c.version == 1 and "sync_probe_max_diff" not in out      # nothing earlier to report
         sent = [c.buffer.t.get_many_nowait("commands", 9, r) for r in (0, 1)]
         assert [[(m.kind, m.version) for m in cmds] for cmds in sent] == [[(Cmd.SYNC, 1)]] * 2
+        # rank 0 answers, rank 1 never
         await c.buffer.put_ack(Ack(0, Phase.SYNCED, 1, engine={"busy_s": 1.0, "idle_s": 1.0},
-                                   timings={"receive_s": 0.1, "load_s": 0.2}))   # rank 0 answers, rank 1 never
+                                   timings={"receive_s": 0.1, "load_s": 0.2}))
         with pytest.raises(TimeoutError, match=r"rollout rank\(s\) \[1\] did not ack synced for version 1"):
             await c.sync_weights(2, send_fn=lambda group: None)
     asyncio.run(main())
@@ -88,7 +90,8 @@ def test_previous_sync_is_reported_by_the_next():
         assert first["sync_probe_max_diff"] == 0.5 and first["synced_version"] == 0   # READY's check, once
         for r, busy in ((0, 1.5), (1, 0.5)):     # each engine: 2 s since READY, busy 1.5 and 0.5 of them
             await c.buffer.put_ack(Ack(r, Phase.SYNCED, 1, engine={"busy_s": busy, "idle_s": 3.0 - busy},
-                                       probe=[-3.0, -3.25 + r], timings={"receive_s": 0.1 * r, "load_s": 0.3}))
+                                       probe=[-3.0, -3.25 + r],
+                                       timings={"receive_s": 0.1 * r, "load_s": 0.3}))
         second = await c.sync_weights(2, send_fn=lambda group: None)
         assert second["synced_version"] == 1 and second["sync_probe_max_diff"] == 0.75
         assert second["rollout_utilisation"] == pytest.approx(0.5)          # 2 busy of 4 engine-seconds
@@ -113,8 +116,8 @@ def test_a_group_lost_twice_is_counted_once_and_its_running_samples_are_aborted(
         # a live group given up on, through collect(): its siblings are aborted on every rank
         c2 = controller(async_ratio=1, batch_groups=1, group_size=3, timeout_s=0.3)
         await c2.admit()
-        await c2.buffer.put_sample(Sample("g0.0", "g0", [1], [], [], [], [], 0.0, failed=True,
-                                          meta={"retrying": False, "error": "gave up"}))
+        await c2.buffer.put_samples([Sample("g0.0", "g0", [1], [], [], [], [], 0.0, failed=True,
+                                           meta={"retrying": False, "error": "gave up"})])
         with pytest.raises(TimeoutError):
             await c2.collect()
         return [c2.buffer.t.get_many_nowait("commands", 9, r) for r in (0, 1)]
@@ -124,7 +127,8 @@ def test_a_group_lost_twice_is_counted_once_and_its_running_samples_are_aborted(
 
 
 # one event of a run: ("good" | "failed" | "gave_up" | "stale", which open task) or ("step",)
-events = st.lists(st.one_of(st.tuples(st.sampled_from(["good", "failed", "gave_up", "stale"]), st.integers(0, 999)),
+events = st.lists(st.one_of(st.tuples(st.sampled_from(["good", "failed", "gave_up", "stale"]),
+                                      st.integers(0, 999)),
                             st.tuples(st.just("step"))), max_size=150)
 
 
@@ -167,6 +171,7 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
             if kind != "failed":                      # a failed attempt is retried: the task stays open
                 open_tasks.remove(t)
             versions = [c.version - async_ratio - 1] if kind == "stale" else [c.version]
-            c.asm.add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], versions, float(rng.random() < 0.5),
-                             failed=kind in ("failed", "gave_up"), meta={"retrying": kind == "failed"}), c.version)
+            c.asm.add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], versions,
+                             float(rng.random() < 0.5), failed=kind in ("failed", "gave_up"),
+                             meta={"retrying": kind == "failed"}), c.version)
     asyncio.run(main())

@@ -31,7 +31,8 @@ def perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
 SENDERS: dict[int, Sender] = {}      # one weight-sync group per engine, as a run has
 
 
-async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep", bucket_bytes: int = 64 << 20):
+async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep",
+                 bucket_bytes: int = 64 << 20):
     """This process as trainer rank 0: broadcast `weights` straight into the engine's worker."""
     sender = SENDERS.setdefault(id(proxy), Sender(timeout_s=60, bucket_bytes=bucket_bytes))
     await proxy.suspend(mode)
@@ -58,7 +59,8 @@ def test_generate_logprobs_match_transformers(vllm_proxy, hf):
     model, tok = hf
     prompts = [tok.encode(p) for p in ["12+34=", "7+5=", "305+99=", "1+1="]]
     async def main():
-        return await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=24, ignore_eos=True)) for p in prompts])
+        return await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=24, ignore_eos=True))
+                                      for p in prompts])
     cs = lt.run(main())
     for p, c in zip(prompts, cs):
         assert len(c.token_ids) == 24 and c.finish_reason == "length" and c.versions == [proxy.version] * 24
@@ -70,7 +72,8 @@ def test_abort_returns_partial_output(vllm_proxy):
     lt, proxy = vllm_proxy
 
     async def main():
-        task = asyncio.create_task(proxy.generate([5, 6, 17], Sampling(max_tokens=100, ignore_eos=True), request_id="ab"))
+        task = asyncio.create_task(proxy.generate([5, 6, 17], Sampling(max_tokens=100, ignore_eos=True),
+                                                  request_id="ab"))
         await wait_for_tokens(proxy, 3)
         await proxy.abort(["ab"])
         return await task
@@ -161,7 +164,8 @@ def check_updates_land(lt, proxy, model, tok, tied: bool):
     for k in range(1, 4):
         new = perturbed(model, seed=10 + k, scale=0.1)
         if tied:
-            new.pop("lm_head.weight", None)       # HF checkpoints of tied models carry no head: the engine re-ties it
+            # HF checkpoints of tied models carry no head: the engine re-ties it
+            new.pop("lm_head.weight", None)
         lt.run(update(proxy, new, v0 + k, bucket_bytes=1 << 18))
         ref_model.load_state_dict(new, strict=False)
         if tied:

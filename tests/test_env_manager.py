@@ -12,7 +12,7 @@ import pytest
 from buffer import Ack, Cmd, Command, GroupAssembler, LocalQueues, Phase, RolloutTask, Sample, SampleBuffer
 from env_manager import EnvManager, RolloutConfig, env_seed
 from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
-from fake_engine import FakeTimedEngine
+from tools.fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy, Status
 from conftest import run_virtual
 from task import Problem
@@ -30,10 +30,17 @@ def tok():
     return build_tokenizer()
 
 
-def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, **engine_kwargs):
+def rcfg(**kw) -> RolloutConfig:
+    """The rollout settings these tests run with (8 tokens a turn, a 120-token context), then kw."""
+    return RolloutConfig(**{"max_tokens": 8, "max_model_len": 120, **kw})
+
+
+def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, async_ratio=1,
+                 **engine_kwargs):
     engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
     proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
-    return EnvManager(proxy, buf, tok, rank, cfg or RolloutConfig(), env_wrappers=env_wrappers, probe_ids=probe_ids)
+    return EnvManager(proxy, buf, tok, rank, cfg or rcfg(), async_ratio=async_ratio,
+                      env_wrappers=env_wrappers, probe_ids=probe_ids)
 
 
 def add_task(task_id, group_id="g", target_len=0, num_samples=1, env="", prompt="1+1=", answer="2"):
@@ -66,7 +73,7 @@ def run_one_task(tok, task, **manager_kwargs):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, **manager_kwargs)
-        await buf.put_task(task)
+        await buf.put_tasks([task])
         run = asyncio.create_task(m.run())
         [(_, s)] = await collect(buf, 1)
         await stop_all(buf, [m], [run])
@@ -88,10 +95,10 @@ def test_queue_scheduling_short_samples_do_not_wait_for_long(tok):
     buffer at its own finish time, long before the long one."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000))
-        await buf.put_task(add_task("long", "gl", target_len=1000))
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000))
+        await buf.put_tasks([add_task("long", "gl", target_len=1000)])
         for n in (5, 10, 15, 20):
-            await buf.put_task(add_task(f"short{n}", f"g{n}", target_len=n))
+            await buf.put_tasks([add_task(f"short{n}", f"g{n}", target_len=n)])
         run = asyncio.create_task(m.run())
         got = await collect(buf, 5)
         await stop_all(buf, [m], [run])
@@ -110,13 +117,13 @@ def test_replication_spreads_group_over_ranks_and_batch_task_arrives_together(to
     async def main():
         buf = SampleBuffer(LocalQueues(2), "test")
         lengths = lambda: (lambda rng, it=itertools.cycle(range(1, 9)): next(it))   # 1..8 tokens, in turn
-        cfg = RolloutConfig(max_concurrency=4)
+        cfg = rcfg(max_concurrency=4)
         ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lengths()) for r in range(2)]
         runs = [asyncio.create_task(m.run()) for m in ms]
         for i in range(8):                                   # replicated: 8 tasks of one group
-            await buf.put_task(add_task(f"rep{i}", "rep"))
+            await buf.put_tasks([add_task(f"rep{i}", "rep")])
         replicated = await collect(buf, 8)
-        await buf.put_task(add_task("batch", "batch", num_samples=4))   # baseline: one task, 4 samples
+        await buf.put_tasks([add_task("batch", "batch", num_samples=4)])   # baseline: one task, 4 samples
         t0 = now()
         batch = await collect(buf, 4)
         stats = await stop_all(buf, ms, runs)
@@ -135,9 +142,9 @@ def test_replication_spreads_group_over_ranks_and_batch_task_arrives_together(to
 def test_max_concurrency_bounds_in_flight_work(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=3), length_sampler=lambda rng: 8)
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=3), length_sampler=lambda rng: 8)
         for i in range(9):
-            await buf.put_task(add_task(f"t{i}", f"g{i}"))
+            await buf.put_tasks([add_task(f"t{i}", f"g{i}")])
         run = asyncio.create_task(m.run())
         await asyncio.sleep(STEP / 2)
         in_flight = m.stats()["in_flight"], m.proxy.num_in_flight
@@ -156,19 +163,20 @@ def test_idle_ranks_share_a_group_at_default_concurrency(tok):
     single rank (num_ranks=1) still takes the whole group in one poll."""
     async def main(num_ranks):
         buf = SampleBuffer(LocalQueues(num_ranks), "test")
-        cfg = RolloutConfig()
+        cfg = rcfg()
         assert cfg.max_concurrency >= 8
-        ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lambda rng: 20) for r in range(num_ranks)]
+        ms = [make_manager(buf, tok, rank=r, cfg=cfg, length_sampler=lambda rng: 20)
+              for r in range(num_ranks)]
         runs = [asyncio.create_task(m.run()) for m in ms]
         await asyncio.sleep(cfg.poll_s / 2)                  # every rank idle and polling
         for i in range(8):
-            await buf.put_task(add_task(f"g.{i}", "g"))
+            await buf.put_tasks([add_task(f"g.{i}", "g")])
         got = await collect(buf, 8)
         await stop_all(buf, ms, runs)
         return [s.rank for _, s in got], [t for t, _ in got]
     ranks, times = run_virtual(main(4))
     assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert max(times) < 20 * STEP + 3 * RolloutConfig().poll_s + 2 * STEP    # spread within two poll periods
+    assert max(times) < 20 * STEP + 3 * rcfg().poll_s + 2 * STEP    # spread within two poll periods
     ranks, _ = run_virtual(main(1))
     assert ranks == [0] * 8
 
@@ -178,21 +186,21 @@ def test_a_rank_takes_the_rest_of_a_group_when_the_others_are_full(tok):
     one more sample per poll period, and nothing waits for rank 1."""
     async def main():
         buf = SampleBuffer(LocalQueues(2), "test")
-        m0 = make_manager(buf, tok, rank=0, cfg=RolloutConfig(), length_sampler=lambda rng: 20)
-        m1 = make_manager(buf, tok, rank=1, cfg=RolloutConfig(max_concurrency=1, max_total_tokens=2000))
+        m0 = make_manager(buf, tok, rank=0, cfg=rcfg(), length_sampler=lambda rng: 20)
+        m1 = make_manager(buf, tok, rank=1, cfg=rcfg(max_concurrency=1, max_model_len=2000))
         runs = [asyncio.create_task(m1.run())]
-        await buf.put_task(add_task("long", "long", target_len=1000))
+        await buf.put_tasks([add_task("long", "long", target_len=1000)])
         await asyncio.sleep(1.0)                              # rank 1 took the long task: it is full
         runs.append(asyncio.create_task(m0.run()))
         t0 = now()
         for i in range(4):
-            await buf.put_task(add_task(f"g.{i}", "g"))
+            await buf.put_tasks([add_task(f"g.{i}", "g")])
         got = await collect(buf, 4)
         await stop_all(buf, [m0, m1], runs)
         return t0, got
     t0, got = run_virtual(main())
     assert {s.rank for _, s in got} == {0}
-    assert max(t for t, _ in got) - t0 < 20 * STEP + 5 * RolloutConfig().poll_s + 2 * STEP   # long before 100 s
+    assert max(t for t, _ in got) - t0 < 20 * STEP + 5 * rcfg().poll_s + 2 * STEP   # long before 100 s
 
 # ---------------------------------------------------------------------------------------------
 # rewards, EOS, filtering
@@ -211,8 +219,8 @@ def test_reward_excludes_eos_and_equal_reward_group_is_filtered(tok):
         buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, respond=respond)
         for i in range(4):
-            await buf.put_task(add_task(f"a{i}", "all", prompt="2+2=", answer="4"))
-            await buf.put_task(add_task(f"m{i}", "mixed", prompt="1+1=", answer="2"))
+            await buf.put_tasks([add_task(f"a{i}", "all", prompt="2+2=", answer="4")])
+            await buf.put_tasks([add_task(f"m{i}", "mixed", prompt="1+1=", answer="2")])
         run = asyncio.create_task(m.run())
         got = [s for _, s in await collect(buf, 8)]
         await stop_all(buf, [m], [run])
@@ -261,10 +269,10 @@ def test_hung_env_fails_and_is_replaced_within_timeout(tok):
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        cfg = RolloutConfig(env_step_timeout_s=5.0)
+        cfg = rcfg(env_step_timeout_s=5.0)
         m = make_manager(buf, tok, cfg=cfg, env_wrappers=wrap, length_sampler=lambda rng: 4)
-        await buf.put_task(add_task("hangs", "g1"))
-        await buf.put_task(add_task("fine", "g2"))
+        await buf.put_tasks([add_task("hangs", "g1")])
+        await buf.put_tasks([add_task("fine", "g2")])
         run = asyncio.create_task(m.run())
         got = await collect(buf, 3)
         [stats] = await stop_all(buf, [m], [run])
@@ -275,20 +283,22 @@ def test_hung_env_fails_and_is_replaced_within_timeout(tok):
     assert s2.task_id == "hangs" and s2.failed and s2.meta["retrying"] and t2 == pytest.approx(5.0, abs=STEP)
     assert "5s" in s2.meta["error"] and "rank 0" in s2.meta["error"]
     assert s3.task_id == "hangs" and not s3.failed and t3 == pytest.approx(5.0 + 4 * STEP, abs=2 * STEP)
-    assert (stats["samples_failed"], stats["env_timeouts"], stats["retries"], stats["samples_sent"]) == (1, 1, 1, 2)
+    assert (stats["samples_failed"], stats["env_timeouts"], stats["retries"],
+            stats["samples_sent"]) == (1, 1, 1, 2)
 
 
 def test_env_failing_every_time_gives_up_after_max_retries(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         rng = random.Random(0)
-        cfg = RolloutConfig(max_retries=2)
+        cfg = rcfg(max_retries=2)
         m = make_manager(buf, tok, cfg=cfg, length_sampler=lambda rng: 3,
-                         env_wrappers=lambda env: env if isinstance(env, GuessEnv) else FaultyEnv(env, 1.0, 0.0, rng))
-        await buf.put_task(add_task("bad", "g1"))
+                         env_wrappers=lambda env: env if isinstance(env, GuessEnv)
+                         else FaultyEnv(env, 1.0, 0.0, rng))
+        await buf.put_tasks([add_task("bad", "g1")])
         run = asyncio.create_task(m.run())
         bad = [s for _, s in await collect(buf, 3)]
-        await buf.put_task(add_task("after", "g2", env="guess"))   # the rank goes on
+        await buf.put_tasks([add_task("after", "g2", env="guess")])   # the rank goes on
         [(_, after)] = await collect(buf, 1)
         [stats] = await stop_all(buf, [m], [run])
         return bad, after, stats
@@ -304,7 +314,7 @@ def test_engine_failure_stops_run_naming_rank(tok):
         buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, rank=0)
         m.proxy.engine.hang = True
-        await buf.put_task(add_task("t", "g"))
+        await buf.put_tasks([add_task("t", "g")])
         with pytest.raises(RuntimeError, match="rollout rank 0") as e:
             await asyncio.wait_for(m.run(), 100)
         assert isinstance(e.value.__cause__, EngineError)
@@ -327,15 +337,15 @@ async def acks_until(buf, phase, version=None, timeout=100):
 def test_sync_aborts_stale_work_and_acks(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(async_ratio=1, max_total_tokens=2000))
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), async_ratio=1)
         run = asyncio.create_task(m.run())
-        await buf.put_task(add_task("old", "g0", target_len=1000))
+        await buf.put_tasks([add_task("old", "g0", target_len=1000)])
         await asyncio.sleep(10 * STEP)
         await buf.send_command(0, Command(Cmd.SYNC, 1))                   # 0 >= 1 - 1: still fresh
         synced = (await acks_until(buf, Phase.SYNCED, 1))[-1]
         assert (synced.rank, synced.phase, synced.version) == (0, Phase.SYNCED, 1)
         assert m.stats()["in_flight"] == 1
-        await buf.put_task(add_task("new", "g1", target_len=1000))       # starts at version 1
+        await buf.put_tasks([add_task("new", "g1", target_len=1000)])       # starts at version 1
         await asyncio.sleep(10 * STEP)
         await buf.send_command(0, Command(Cmd.SYNC, 2))                   # 0 < 2 - 1: "old" is stale
         assert (await acks_until(buf, Phase.SYNCED, 2))[-1].version == 2
@@ -360,18 +370,19 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         seen = {}
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), probe_ids=[3, 4, 5, 6], load_s=2.0)
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), probe_ids=[3, 4, 5, 6], load_s=2.0)
         receive = m.proxy.engine.receive_weights
 
         async def watched(spec, first_rank, meta):      # the transfer + load: 2 s = 20 decode steps
             tokens = m.proxy.num_tokens
             await receive(spec, first_rank, meta)
             if meta:
-                seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=meta, first_rank=first_rank,
-                            tokens_during=m.proxy.num_tokens - tokens, acks_sent=len(acks) + buf.t.qsize("acks"))
+                seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=meta,
+                            first_rank=first_rank, tokens_during=m.proxy.num_tokens - tokens,
+                            acks_sent=len(acks) + buf.t.qsize("acks"))
         m.proxy.engine.receive_weights = watched
         run = asyncio.create_task(m.run())
-        await buf.put_task(add_task("busy", "g0", target_len=500))     # work in flight across the update
+        await buf.put_tasks([add_task("busy", "g0", target_len=500)])     # work in flight across the update
         acks = [await buf.get_ack("ready", timeout=10)]
         await asyncio.sleep(5 * STEP)
         t0 = now()
@@ -402,9 +413,9 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
 def test_abort_groups_and_stop(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_concurrency=2, max_total_tokens=2000))
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=2, max_model_len=2000))
         for tid, gid, n in [("a1", "a", 500), ("b1", "b", 500), ("a2", "a", 5), ("c1", "c", 5)]:
-            await buf.put_task(add_task(tid, gid, target_len=n))
+            await buf.put_tasks([add_task(tid, gid, target_len=n)])
         run = asyncio.create_task(m.run())
         await asyncio.sleep(1.0)
         assert set(m.jobs) == {"a1", "b1"}
@@ -446,7 +457,8 @@ def test_multi_turn_masks_logprobs_and_versions(tok):
         expect_mask += [1] * len(tok.encode(a))
         if i < 2:
             expect_mask += [0] * len(tok.encode(observations[i]))
-    assert tok.decode(s.response_ids) == actions[0] + observations[0] + actions[1] + observations[1] + actions[2]
+    assert tok.decode(s.response_ids) == (actions[0] + observations[0] + actions[1] + observations[1]
+                                          + actions[2])
     assert s.loss_mask == expect_mask
     assert s.logprobs == [-1.0 if k else 0.0 for k in expect_mask]
     assert len(s.versions) == sum(expect_mask) and s.versions == [0] * sum(expect_mask)
@@ -455,10 +467,11 @@ def test_multi_turn_masks_logprobs_and_versions(tok):
 
 def test_multi_turn_stops_at_token_cap(tok):
     """A guesser that always says 99 on a game whose secret is lower never wins; the trajectory
-    ends when the next turn no longer fits max_total_tokens, with the reward so far."""
+    ends when the next turn no longer fits max_model_len, with the reward so far."""
     gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
 
-    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=RolloutConfig(max_total_tokens=60, max_turns=50), respond=script(tok, "99"))
+    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=rcfg(max_model_len=60, max_turns=50),
+                     respond=script(tok, "99"))
     assert s.num_tokens <= 60 and s.num_tokens + len(tok.encode(" lower:\n")) + 1 > 60
     assert s.finish_reason == "length" and s.reward == 0.0 and 1 < s.num_turns < 50
     assert tok.decode(s.response_ids).startswith("99<eos> lower:\n99<eos>")
@@ -468,8 +481,9 @@ def test_multi_turn_stops_at_token_cap(tok):
 def test_multi_turn_stops_at_max_turns(tok):
     gid = next(f"g{i}" for i in itertools.count() if _secret(f"g{i}") < 99)
 
-    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=RolloutConfig(max_turns=3), respond=script(tok, "99"))
-    assert tok.decode(s.response_ids) == "99<eos> lower:\n99<eos> lower:\n99<eos>"    # no trailing observation
+    s = run_one_task(tok, add_task("g", gid, env="guess"), cfg=rcfg(max_turns=3), respond=script(tok, "99"))
+    # no trailing observation
+    assert tok.decode(s.response_ids) == "99<eos> lower:\n99<eos> lower:\n99<eos>"
     assert s.num_turns == 3 and s.finish_reason == "length" and s.loss_mask[-1] == 1
 
 
@@ -563,7 +577,8 @@ def test_faulty_env_rates():
 
 
 def test_config_validates():
-    for field, bad in [("max_concurrency", 0), ("async_ratio", -1), ("env_step_timeout_s", 0), ("max_tokens", 0)]:
+    for field, bad in [("max_concurrency", 0), ("reward_workers", -2), ("env_step_timeout_s", 0),
+                       ("max_tokens", -1)]:
         with pytest.raises(ValueError, match=field):
             RolloutConfig(**{field: bad})
 
@@ -572,9 +587,9 @@ def test_reward_workers_process_pool(tok):
     """reward_workers > 0: the verifier runs in a process pool (real time, tiny fake steps)."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(reward_workers=1), t0=0.001, respond=script(tok, "2"))
-        await buf.put_task(add_task("a", "g", prompt="1+1=", answer="2"))
-        await buf.put_task(add_task("b", "g", prompt="1+2=", answer="3"))
+        m = make_manager(buf, tok, cfg=rcfg(reward_workers=1), t0=0.001, respond=script(tok, "2"))
+        await buf.put_tasks([add_task("a", "g", prompt="1+1=", answer="2")])
+        await buf.put_tasks([add_task("b", "g", prompt="1+2=", answer="3")])
         run = asyncio.create_task(m.run())
         got = sorted((s.task_id, s.reward) for _, s in await collect(buf, 2, timeout=30))
         await stop_all(buf, [m], [run])
@@ -600,13 +615,13 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
     it suspended until the next SYNC (the controller's resync), then serves new work at that version."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5)
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
         run = asyncio.create_task(m.run())
         await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # generation 0
         await acks_until(buf, Phase.SYNCED, 3)
         for i in range(4):
-            await buf.put_task(add_task(f"t{i}", f"g{i}", target_len=1000))
+            await buf.put_tasks([add_task(f"t{i}", f"g{i}", target_len=1000)])
         await asyncio.sleep(5 * STEP)
         old = m.proxy.engine
         old.hang = True                                   # wedged: no more tokens, ever
@@ -614,7 +629,7 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         lost = [s for _, s in await collect(buf, 4, timeout=200)]
         detected = now() - t0
         replaced = (await acks_until(buf, Phase.REPLACED, 3))[-1]
-        await buf.put_task(add_task("after", "g9"))
+        await buf.put_tasks([add_task("after", "g9")])
         await asyncio.sleep(20 * STEP)
         waiting = (m.proxy.status, fresh_engines[0].num_loads, buf.get_sample_nowait())
         await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # the old generation: not joined
@@ -624,7 +639,8 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         await acks_until(buf, Phase.SYNCED, 3)
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
-        return lost, detected, replaced, (*waiting, stale.needs_weights, loads_then), after, stats, fresh_engines
+        return (lost, detected, replaced, (*waiting, stale.needs_weights, loads_then), after, stats,
+                fresh_engines)
     lost, detected, replaced, waiting, after, stats, fresh = run_virtual(main())
     assert sorted(s.task_id for s in lost) == ["t0", "t1", "t2", "t3"]
     assert all(s.failed and s.meta["engine_lost"] and not s.meta["retrying"] for s in lost)
@@ -644,7 +660,7 @@ def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_resync_completes(
     needs_weights and then REPLACED; the controller's next SYNC loads the new engine, with the probe."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), probe_ids=[1, 2, 3],
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), probe_ids=[1, 2, 3],
                          length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
 
@@ -658,7 +674,7 @@ def test_an_engine_that_dies_during_a_sync_is_replaced_and_the_resync_completes(
         replaced = (await acks_until(buf, Phase.REPLACED, 4))[-1]
         await buf.send_command(0, Command(Cmd.SYNC, 4, probe=True))
         synced = (await acks_until(buf, Phase.SYNCED, 4))[-1]
-        await buf.put_task(add_task("after", "g9"))
+        await buf.put_tasks([add_task("after", "g9")])
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
         return failed, replaced, synced, after, stats, fresh_engines
@@ -675,14 +691,15 @@ def test_a_broken_group_keeps_the_engine_suspended_until_the_next_sync(tok):
     suspended for the next SYNC."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5)
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
         receive, calls = m.proxy.engine.receive_weights, []
 
         async def breaks_once(spec, first_rank, meta):
             calls.append(1)
             if len(calls) == 1:
-                raise RuntimeError("engine worker (weight-sync rank 1, gen 0): weight broadcast bucket 0 failed")
+                raise RuntimeError("engine worker (weight-sync rank 1, gen 0): weight broadcast "
+                                   "bucket 0 failed")
             await receive(spec, first_rank, meta)
         m.proxy.engine.receive_weights = breaks_once
         run = asyncio.create_task(m.run())
@@ -707,8 +724,8 @@ def controller_with_ranks(tok, num_ranks=2, **engine_kwargs):
     buf = SampleBuffer(LocalQueues(num_ranks), "test")
     problems = (Problem("1+1=", "2", target_len=5) for _ in itertools.count())
     ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, filter_groups=False, async_ratio=1,
-                                            timeout_s=600), buf, problems, num_ranks)
-    managers = [make_manager(buf, tok, rank=r, cfg=RolloutConfig(max_total_tokens=2000), length_sampler=lambda rng: 5,
+                                            redundant=0, timeout_s=600), buf, problems, num_ranks)
+    managers = [make_manager(buf, tok, rank=r, cfg=rcfg(max_model_len=2000), length_sampler=lambda rng: 5,
                              **engine_kwargs) for r in range(num_ranks)]
     return buf, ctrl, managers
 
@@ -728,8 +745,9 @@ def test_the_controller_syncs_a_replaced_engine_again_over_a_new_group_while_col
         await ctrl.sync_weights(1, sent.append, meta=[("w", [2], "float32")], group=group_spec())
         await ctrl.finish_sync()
         managers[1].proxy.engine.hang = True              # rank 1's engine wedges, with or without work
-        await buf.put_task(add_task("x", "gx", target_len=1000))
-        batch, info = await ctrl.collect()                # rank 1 is replaced meanwhile; rank 0 alone cannot end it...
+        await buf.put_tasks([add_task("x", "gx", target_len=1000)])
+        batch, info = await ctrl.collect()                # rank 1 is replaced meanwhile; rank 0 alone
+                                                          # cannot end it...
         loads = [m.proxy.engine.num_loads for m in managers]
         stats = await ctrl.stop()
         await asyncio.gather(*runs)
@@ -754,8 +772,8 @@ def test_a_broadcast_that_fails_is_sent_again_over_a_new_group(tok):
             async def breaks_once(spec, first_rank, meta, receive=receive, calls=calls):
                 calls.append(spec.gen)
                 if len(calls) == 1:
-                    raise RuntimeError(f"engine worker (weight-sync rank {first_rank}, gen 0): weight broadcast "
-                                       f"bucket 0 failed: Connection closed by peer")
+                    raise RuntimeError(f"engine worker (weight-sync rank {first_rank}, gen 0): weight "
+                                       f"broadcast bucket 0 failed: Connection closed by peer")
                 await receive(spec, first_rank, meta)
             m.proxy.engine.receive_weights = breaks_once
         sent = []

@@ -46,7 +46,7 @@ async def replay(env, seed, tok, s):
 def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
     lt, proxy = vllm_proxy
     model, tok = hf
-    cfg = RolloutConfig(max_tokens=6, max_turns=4, max_total_tokens=120)
+    cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
     tasks = [RolloutTask(f"{env}{i}", f"{env}-group{i}", Problem("", ""), env=env)
              for env in ("chain", "guess") for i in range(3)]
 
@@ -54,7 +54,7 @@ def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
         buf = SampleBuffer(LocalQueues(1), "engine test", timeout_s=120)
         mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
         for t in tasks:
-            await buf.put_task(t)
+            await buf.put_tasks([t])
         run = asyncio.create_task(mgr.run())
         samples = [await buf.get_sample() for _ in tasks]
         await buf.send_command(0, Command(Cmd.STOP))
@@ -66,7 +66,7 @@ def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
     # the model's EOS ends a turn and is trained on: it sits in response_ids with mask 1
     assert any(t == tok.eos_token_id and m == 1 for s in samples for t, m in zip(s.response_ids, s.loss_mask))
     for s in samples:
-        assert not s.failed and s.num_tokens <= cfg.max_total_tokens
+        assert not s.failed and s.num_tokens <= cfg.max_model_len
         assert len(s.response_ids) == len(s.logprobs) == len(s.loss_mask)
         assert len(s.versions) == sum(s.loss_mask) and set(s.versions) == {proxy.version}
         assert s.loss_mask[0] == 1 and s.loss_mask[-1] == 1          # starts and ends with an action
@@ -74,7 +74,8 @@ def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
         # observation tokens are exactly the env's text, and the reward is the env's
         env = ENVS[s.task_id.rstrip("0123456789")](None, 0)
         obs, reward = lt.run(replay(env, env_seed(s.group_id), tok, s))
-        got_obs = [tok.decode(s.response_ids[a:b]) for is_action, a, b in segments(s.loss_mask) if not is_action]
+        got_obs = [tok.decode(s.response_ids[a:b])
+                   for is_action, a, b in segments(s.loss_mask) if not is_action]
         assert got_obs == obs[:len(got_obs)] and len(got_obs) == s.num_turns - 1
         assert s.reward == pytest.approx(min(1.0, reward))
         # behaviour logprobs on action tokens == transformers on the same float32 weights

@@ -15,10 +15,10 @@ from buffer import Cmd, Command, LocalQueues, Phase, SampleBuffer
 from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
 from env_manager import EnvManager, RolloutConfig
-from fake_engine import FakeTimedEngine
+from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Status
 from task import Problem
-from train import cpu_layout, engine_gpu
+from proxy import cpu_layout, engine_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,7 +36,7 @@ def test_each_engine_gets_its_ranks_own_gpu():
 def test_cpu_layout_gives_each_engine_a_core_of_its_own():
     """CPU runs: engines take cores from the top, one each; the ranks' own Python shares the rest;
     with no core to spare, everything shares every core."""
-    assert cpu_layout([0, 1], 1) == ([0], [1])                       # this machine's default: 1 trainer + 1 engine
+    assert cpu_layout([0, 1], 1) == ([0], [1])             # this machine's default: 1 trainer + 1 engine
     assert cpu_layout(list(range(8)), 3) == ([0, 1, 2, 3, 4], [5, 6, 7])
     assert cpu_layout([0, 1], 2) == ([0, 1], [0, 1])                 # 2 engines on 2 cores: no core to spare
 
@@ -48,8 +48,9 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         proxy = LLMProxy(FakeTimedEngine(t0=0.1, k=0.0, length_sampler=lambda rng: 5), rank=0, timeout_s=30)
-        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(async_ratio=0, max_total_tokens=2000))
-        ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0, filter_groups=False),
+        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(max_tokens=8, max_model_len=2000), async_ratio=0)
+        ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0,
+                                                redundant=0, filter_groups=False),
                                buf, iter(lambda: Problem("1+1=", "2"), None), 1)
         run = asyncio.create_task(m.run())
         await ctrl.wait_ready()
@@ -77,7 +78,8 @@ def tok():
 
 
 def test_colocate_needs_ratio_0_and_equal_gpus(tmp_path):
-    for args in (["--colocate", "--async-ratio", "2"], ["--colocate", "--async-ratio", "0", "--rollout-gpus", "2"]):
+    for args in (["--colocate", "--async-ratio", "2"],
+                 ["--colocate", "--async-ratio", "0", "--rollout-gpus", "2"]):
         r = subprocess.run([sys.executable, "train.py", "--out-dir", str(tmp_path / "o"), *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and "--colocate" in r.stderr
@@ -87,9 +89,10 @@ def test_colocate_needs_ratio_0_and_equal_gpus(tmp_path):
 def test_colocate_is_refused_without_gpus(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from tools.jobs import free_port_pair
-    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
-                        str(free_port_pair()), "train.py", "--colocate", "--async-ratio", "0", "--out-dir",
-                        str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+                        "--master-port", str(free_port_pair()), "train.py", "--colocate",
+                        "--async-ratio", "0", "--out-dir", str(tmp_path / "o")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--colocate needs GPUs" in r.stdout + r.stderr
 
 
@@ -102,9 +105,10 @@ def torchrun(tmp_path, nproc, *args):
     from tools.jobs import free_port_pair
     out = tmp_path / "run"
     r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
-                        "--master-port", str(free_port_pair()), "train.py", "--out-dir", str(out), "--steps", "3",
-                        "--batch-groups", "4", "--group-size", "4", "--check-sync-every", "1", "--timeout-s", "300",
-                        "--save-every", "0", *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--master-port", str(free_port_pair()), "train.py", "--out-dir", str(out),
+                        "--steps", "3", "--batch-groups", "4", "--group-size", "4", "--check-sync-every", "1",
+                        "--timeout-s", "300", "--save-every", "0", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -118,12 +122,14 @@ def test_gpu_one_trainer_one_engine_probe_after_every_sync(tmp_path):
 @gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_gpu_two_engines_on_two_devices_and_fsdp_over_two_trainer_ranks(tmp_path):
-    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--batch-groups", "3")   # 12 samples: uneven shards
+    # 12 samples: uneven shards
+    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--batch-groups", "3")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sync_probe_max_diff"] < 1e-2 for r in rows)
 
 
 @gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_colocated_sync_baseline(tmp_path):
-    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--colocate", "--async-ratio", "0")
+    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--colocate",
+                    "--async-ratio", "0")
     assert all(r["staleness_max"] == 0 for r in rows)

@@ -370,7 +370,8 @@ def test_gspo_uses_the_sequence_ratio():
 def test_metrics_are_floats_and_clip_frac_in_unit_interval(variant, adv_per_token):
     logp, old, prox, adv, mask = make_batch(seed=5, adv_per_token=adv_per_token)
     _, _, metrics = run(variant, logp, old, prox, adv, mask)
-    assert set(metrics) == {"clip_frac", "ratio_mean", "ratio_max", "is_weight_mean", "approx_kl", "behav_capped_frac"}
+    assert set(metrics) == {"clip_frac", "ratio_mean", "ratio_max", "is_weight_mean", "approx_kl",
+                            "behav_capped_frac"}
     assert all(type(v) is float and math.isfinite(v) for v in metrics.values())
     assert 0.0 <= metrics["clip_frac"] <= 1.0
     assert metrics["approx_kl"] >= 0.0

@@ -20,13 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_default_run_output_and_records(tmp_path):
     out, log_path = tmp_path / "run", tmp_path / "run.log"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port_pair()), "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
-           "--out-dir", str(out), "--steps", "3", "--batch-groups", "4", "--group-size", "4", "--redundant", "2",
-           "--max-concurrency", "16", "--timeout-s", "180", "--tracker", "tensorboard"]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
+           "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
+           "--out-dir", str(out), "--steps", "3", "--batch-groups", "4", "--group-size", "4",
+           "--redundant", "2", "--max-concurrency", "16", "--timeout-s", "180", "--tracker", "tensorboard"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}      # as run.sh sets it
     with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         try:
             rc = p.wait(420)
         except subprocess.TimeoutExpired:
@@ -38,7 +40,8 @@ def test_default_run_output_and_records(tmp_path):
     # quiet: nothing at INFO level, no progress bars, no torchrun banner
     lines = text.splitlines()
     assert not [x for x in lines if re.search(r"\bINFO\b", x)], text[:3000]
-    for noise in ("Loading weights", "Loading safetensors", "OMP_NUM_THREADS", "Failed to load weights", "Triton"):
+    for noise in ("Loading weights", "Loading safetensors", "OMP_NUM_THREADS", "Failed to load weights",
+                  "Triton"):
         assert noise not in text, noise
     # the progress: what start-up does, a line per step with an ETA, the summary
     assert "starting 1 vLLM engine" in text and "rollout ready: 1 engine in" in text
@@ -72,6 +75,7 @@ def test_default_run_output_and_records(tmp_path):
             [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
 
     # and tools/plot.py draws it
-    r = subprocess.run([sys.executable, "-m", "tools.plot", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tools.plot", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "timeline.png").stat().st_size > 10_000

@@ -22,14 +22,16 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_plot_writes_the_pngs_with_their_panels(tmp_path):
     written = plot.plot_run(PlotConfig(run_dir=str(RUN), out_dir=str(tmp_path), compare=str(RUN)))
-    assert set(written) == {str(tmp_path / n) for n in ("metrics.png", "timeline.png", "timeline_compare.png")}
+    assert set(written) == {str(tmp_path / n)
+                            for n in ("metrics.png", "timeline.png", "timeline_compare.png")}
     for path in written:
         data = Path(path).read_bytes()
         assert data.startswith(PNG) and len(data) > 20_000, path        # a real picture, not an empty canvas
     assert written[str(tmp_path / "metrics.png")] == ["reward per step", "step time: wait / train / sync",
                                                       "staleness per step"]
     (title,) = written[str(tmp_path / "timeline.png")]
-    assert "async ratio 2, 6 steps" in title and "engine idle" in title and "trainer waits for rollout" in title
+    assert ("async ratio 2, 6 steps" in title and "engine idle" in title
+            and "trainer waits for rollout" in title)
     assert len(written[str(tmp_path / "timeline_compare.png")]) == 2
 
 
@@ -38,8 +40,8 @@ def test_the_command_line_takes_the_run_dir(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "metrics.png").exists() and (tmp_path / "timeline.png").exists()
-    r = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "nothing")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no metrics.jsonl" in r.stderr
 
 
@@ -54,7 +56,8 @@ def test_timeline_reads_every_kind_of_event():
         assert s["collect"][0] <= s["collect"][1] <= s["train"][1] <= s["wait_sync"][1] <= s["broadcast"][1]
     st = tl.stats()
     assert 0.0 < st["engine_idle"][0] < 1.0 and st["trainer"]["train"] > 0.0
-    assert sum(st["trainer"].values()) == pytest.approx(1.0, abs=0.05)   # the trainer's row covers the time shown
+    # the trainer's row covers the time shown
+    assert sum(st["trainer"].values()) == pytest.approx(1.0, abs=0.05)
     assert len(Timeline(str(RUN), from_step=3, to_step=4).steps) == 2
 
 

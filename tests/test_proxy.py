@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import run_virtual
-from fake_engine import FakeTimedEngine, lognormal_lengths
+from tools.fake_engine import FakeTimedEngine, lognormal_lengths
 from proxy import EngineError, LLMProxy, Sampling, Status
 
 
@@ -101,7 +101,8 @@ def test_weight_update_under_running_requests(mode):
     """16 requests in flight survive suspend -> update -> resume; later tokens carry the new version."""
     async def main():
         p = make_proxy(t0=1.0, k=0.0, load_s=5.0)
-        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True))) for _ in range(16)]
+        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True)))
+                 for _ in range(16)]
         await asyncio.sleep(8.5)
         await p.suspend(mode)
         assert p.status == Status.SUSPENDED

@@ -40,7 +40,8 @@ def score_after_a_cancel(workers: int, one_thread: bool) -> list[float]:
     async def main():
         pool = RewardPool(workers, "reward_fixtures:sleep_then", timeout_s=5)
         try:
-            await asyncio.gather(*[pool.score(Problem("warm", ""), "0|-1") for _ in range(workers)])  # start them
+            # start them
+            await asyncio.gather(*[pool.score(Problem("warm", ""), "0|-1") for _ in range(workers)])
             if one_thread:
                 asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
                 busy = asyncio.create_task(asyncio.to_thread(time.sleep, 1.0))
@@ -63,9 +64,9 @@ def test_a_cancelled_reward_call_never_hands_its_answer_to_the_next_call(workers
 
 
 def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
-    """60 concurrent calls on 3 workers, 1 thread in the default pool: random verifier times, a third cancelled at random
-    moments, a few past the timeout. Every call that completes gets its own value (its index),
-    or 0.0 exactly when it timed out; afterwards every worker still answers its own calls."""
+    """60 concurrent calls on 3 workers, 1 thread in the default pool: random verifier times, a third
+    cancelled at random moments, a few past the timeout. Every call that completes gets its own value
+    (its index), or 0.0 exactly when it timed out; afterwards every worker still answers its own calls."""
     rng = random.Random(0)
     timeout_s = 0.6
     plan = [(i, 2.0 if i % 20 == 7 else rng.uniform(0, 0.15), rng.random() < 0.33, rng.uniform(0, 1.5))
@@ -75,7 +76,8 @@ def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))   # fewer threads than workers
         pool = RewardPool(3, "reward_fixtures:sleep_then", timeout_s=timeout_s)
         try:
-            calls = [asyncio.create_task(pool.score(Problem(str(i), ""), f"{secs}|{i}")) for i, secs, _, _ in plan]
+            calls = [asyncio.create_task(pool.score(Problem(str(i), ""), f"{secs}|{i}"))
+                     for i, secs, _, _ in plan]
 
             async def cancel_later(task, after):
                 await asyncio.sleep(after)
@@ -87,7 +89,8 @@ def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
         finally:
             pool.shutdown()
     done, after, timeouts = asyncio.run(main())
-    completed = [(i, secs, got) for (i, secs, _, _), got in zip(plan, done) if not isinstance(got, BaseException)]
+    completed = [(i, secs, got) for (i, secs, _, _), got in zip(plan, done)
+                 if not isinstance(got, BaseException)]
     assert len(completed) >= 30
     for i, secs, got in completed:
         assert got == (0.0 if secs > timeout_s else float(i)), (i, secs, got)
@@ -104,12 +107,14 @@ def test_reward_spec_is_checked():
 
 
 def controller(**kw):
-    problems = iter([Problem("x" * 50, "1"), Problem("short", "2"), Problem("y" * 80, "3"), Problem("ok", "4")]
+    problems = iter([Problem("x" * 50, "1"), Problem("short", "2"), Problem("y" * 80, "3"),
+                     Problem("ok", "4")]
                     + [Problem(f"p{i}", str(i)) for i in range(100)])
     logged = []
-    cfg = ControllerConfig(**{"batch_groups": 2, "group_size": 2, "async_ratio": 0, "max_model_len": 20, **kw})
+    max_model_len = kw.pop("max_model_len", 20)
+    cfg = ControllerConfig(**{"batch_groups": 2, "group_size": 2, "async_ratio": 0, "redundant": 0, **kw})
     c = AsyncController(cfg, SampleBuffer(LocalQueues(1), "test", timeout_s=5), problems, 1,
-                        prompt_len=lambda p: len(p.prompt), log=logged.append)
+                        prompt_len=lambda p: len(p.prompt), max_model_len=max_model_len, log=logged.append)
     return c, logged
 
 
@@ -196,7 +201,8 @@ def test_prompt_format_follows_a_chat_template(chat_model):
     first = fmt.first("What is 2+2?")
     action = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]       # the model ends its turn
     obs = fmt.next("Right. Now 3+3?", tok.eos_token_id)
-    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"},
+                                     {"role": "assistant", "content": "4"},
                                      {"role": "user", "content": "Right. Now 3+3?"}], tokenize=True,
                                     add_generation_prompt=True, return_dict=False)
     assert first + action + obs == list(whole)
@@ -221,7 +227,8 @@ def test_a_model_with_two_eos_tokens_gets_a_well_formed_next_turn_whichever_it_s
     fmt = PromptFormat(tok)
     assert fmt.eos_ids == {im_end, endoftext}
     first = fmt.first("What is 2+2?")
-    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+    whole = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"},
+                                     {"role": "assistant", "content": "4"},
                                      {"role": "user", "content": "Right. Now 3+3?"}], tokenize=False,
                                     add_generation_prompt=True)
     four = tok.encode("4", add_special_tokens=False)
@@ -242,7 +249,8 @@ def test_an_evaluation_round_is_scored_apart_from_training():
         await c.start_eval([Problem("a", "1"), Problem("b", "2")], k=2)
         tasks = c.buffer.t.get_many_nowait("tasks", 100)
         assert sorted(t.eval_temperature for t in tasks) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-        right = {"eval0.0.greedy": 1.0, "eval0.0.t0": 1.0, "eval0.0.t1": 0.0, "eval0.1.greedy": 0.0, "eval0.1.t0": 1.0}
+        right = {"eval0.0.greedy": 1.0, "eval0.0.t0": 1.0, "eval0.0.t1": 0.0, "eval0.1.greedy": 0.0,
+                 "eval0.1.t0": 1.0}
         for t in tasks:
             if t.task_id == "eval0.1.t1":      # fails once (retried), then for good
                 for retrying in (True, False):
@@ -250,7 +258,9 @@ def test_an_evaluation_round_is_scored_apart_from_training():
                                        meta={"eval": True, "retrying": retrying}))
                 continue
             assert c.eval_result() == {}
-            c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id], meta={"eval": True}))
+            c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
+                               meta={"eval": True}))
         return c.eval_result(), c.eval_result(), c.asm.num_ready() + len(c.asm.pending)
     done, again, trained = asyncio.run(main())
-    assert done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5} and again == {} and trained == 0
+    assert (done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5}
+            and again == {} and trained == 0)

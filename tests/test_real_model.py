@@ -79,9 +79,11 @@ def test_the_whole_system_on_a_real_looking_model_and_long_prompts(chat_model, t
     out = tmp_path / "run"
     sys.path.insert(0, str(Path(__file__).parent))
     from tools.jobs import free_port_pair
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port_pair()), "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
-           "--model", str(chat_model["dir"]), "--data", str(chat_model["data"]), "--steps", "3", "--max-tokens", "16",
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
+           "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
+           "--model", str(chat_model["dir"]), "--data", str(chat_model["data"]), "--steps", "3",
+           "--max-tokens", "16",
            "--batch-groups", "2", "--group-size", "4", "--redundant", "0", "--no-filter-groups",
            "--max-concurrency", "16", "--check-sync-every", "1", "--timeout-s", "300", "--save-every", "0",
            "--out-dir", str(out)]

@@ -32,7 +32,8 @@ def free_port() -> int:
 def train_py(*args, env=None) -> subprocess.CompletedProcess:
     """train.py run directly (no torchrun): flags and the run directory are checked before torchrun's
     variables are even looked at."""
-    return subprocess.run([PY, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([PY, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +69,8 @@ def fake_run_dir(tmp_path, step=10, rows=12, train_gpus=1, model="") -> Path:
     out = tmp_path / "run"
     (out / "checkpoint").mkdir(parents=True)
     config = {"train_gpus": train_gpus, "model": model}
-    (out / "checkpoint" / "state.json").write_text(json.dumps({"step": step, "version": step, "config": config}))
+    (out / "checkpoint" / "state.json").write_text(json.dumps({"step": step, "version": step,
+                                                               "config": config}))
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, rows + 1)))
     return out
 
@@ -97,11 +99,12 @@ def test_resume_with_no_checkpoint_and_unwritable_out_dir(tmp_path):
 
 
 def test_resume_trims_metrics_rows_past_the_checkpoint(tmp_path):
-    import train
+    from runlog import trim_metrics
+    from trainer import check_run_dir
     out = fake_run_dir(tmp_path, step=10, rows=12)
-    state = train.check_run_dir(train.Config(out_dir=str(out), resume="yes", steps=20))
+    state = check_run_dir(str(out), resume="yes", overwrite=False, steps=20, train_gpus=1, model="")
     assert state["step"] == 10
-    train.trim_metrics(str(out), state["step"])
+    trim_metrics(str(out), state["step"])
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
 
@@ -137,10 +140,11 @@ def test_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(
     real_save = torch.save
 
     def full_disk(obj, path, *a, **kw):
-        real_save(obj, path, *a, **kw)                  # a partial file is left behind, as on a real full disk
+        real_save(obj, path, *a, **kw)           # a partial file is left behind, as on a real full disk
         if failure == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device")
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 0: iostream error")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 0: "
+                           "iostream error")
     monkeypatch.setattr(trainer_mod.torch, "save", full_disk)
     if failure == "iostream":       # the message must come from the disk's state, not from the exception text
         usage = shutil_mod.disk_usage(tmp_path)
@@ -168,7 +172,8 @@ time.sleep(600)
 def test_queue_server_dies_with_its_parent_even_on_sigkill():
     import psutil
     port = free_port()
-    p = subprocess.Popen([PY, "-c", SERVE.format(root=str(ROOT), port=port)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([PY, "-c", SERVE.format(root=str(ROOT), port=port)], stdout=subprocess.PIPE,
+                         text=True)
     assert p.stdout.readline().strip() == "serving"
     children = psutil.Process(p.pid).children(recursive=True)
     assert children, "the manager's server process"
@@ -201,7 +206,8 @@ def sample(gid, i, reward=1.0, failed=False, error=""):
 def test_a_step_that_cannot_complete_fails_with_the_reason(kind):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "trainer rank 0", timeout_s=0.5)
-        ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, timeout_s=0.5), buf, iter(lambda: None, 1), 1)
+        ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, timeout_s=0.5), buf,
+                               iter(lambda: None, 1), 1)
         ctrl.problems = iter(lambda: None, 1)
 
         async def feed():                      # samples keep arriving, none makes a usable group
@@ -209,8 +215,9 @@ def test_a_step_that_cannot_complete_fails_with_the_reason(kind):
                 if kind == "silent":
                     return
                 for i in range(2):
-                    s = sample(f"x{g}", i, failed=kind == "failed", error="env 'single-turn' reset raised boom")
-                    await buf.put_sample(s)
+                    s = sample(f"x{g}", i, failed=kind == "failed",
+                               error="env 'single-turn' reset raised boom")
+                    await buf.put_samples([s])
                 await asyncio.sleep(0.01)
         f = asyncio.create_task(feed())
         t = time.monotonic()

@@ -17,7 +17,7 @@ from buffer import Ack, LocalQueues, Phase, SampleBuffer
 from config import parse_cli
 from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
-from fake_engine import FakeTimedEngine
+from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Sampling
 from runlog import RunLog
 from task import Problem
@@ -28,11 +28,13 @@ from train import Config
 def step_args(i: int, time_step: float = 2.0, probe=None) -> tuple:
     """What train.py hands RunLog.step for step i (the keys RunLog reads, plus a few others)."""
     info = {"time_wait_rollout": 0.5, "reward_mean": 0.1 * i, "reward_trained_mean": 0.1 * i + 0.05,
-            "staleness_max": i % 3, "staleness_mean": (i % 3) / 2, "samples_dropped_stale": i, "groups_filtered": 2,
-            "samples_failed": 0, "samples_surplus": 0, "num_samples": 16, "num_tokens": 160, "response_len_mean": 4.0}
+            "staleness_max": i % 3, "staleness_mean": (i % 3) / 2, "samples_dropped_stale": i,
+            "groups_filtered": 2, "samples_failed": 0, "samples_surplus": 0, "num_samples": 16,
+            "num_tokens": 160, "response_len_mean": 4.0}
     train = {"loss": -0.25 * i, "grad_norm": 1.5 + i, "clip_frac": 0.0}
-    sync = {"time_weight_sync": 0.25, "time_wait_previous_sync": 0.01, "time_broadcast": 0.2, "synced_version": i - 1,
-            "sync_probe_max_diff": probe, "rollout_utilisation": 0.75, "time_receive": 0.02, "time_engine_load": 0.07}
+    sync = {"time_weight_sync": 0.25, "time_wait_previous_sync": 0.01, "time_broadcast": 0.2,
+            "synced_version": i - 1, "sync_probe_max_diff": probe, "rollout_utilisation": 0.75,
+            "time_receive": 0.02, "time_engine_load": 0.07}
     return i, i, info, train, sync, 1.0, time_step
 
 
@@ -51,7 +53,8 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
         got = [(e.step, e.value) for e in acc.Scalars(key)]
         want = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         assert [s for s, _ in got] == [s for s, _ in want], key
-        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key   # float32 in the file
+        # float32 in the file
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
     assert [e.step for e in acc.Scalars("sync_probe_max_diff")] == [1, 3]
 
 
@@ -66,7 +69,8 @@ def test_a_fresh_run_replaces_old_tensorboard_files(tmp_path):
 @pytest.mark.parametrize("name", ["wandb", "trackio", "tensorboard"])
 def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch, capsys, name):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == name else real(n, *a, **k))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a, **k: None if n == name else real(n, *a, **k))
     with pytest.raises(SystemExit):
         parse_cli(Config, ["--tracker", name])
     err = capsys.readouterr().err
@@ -144,7 +148,7 @@ def test_a_long_run_keeps_a_bounded_record_and_the_same_summary(tmp_path, capsys
     capsys.readouterr()
     assert len(log.first) == 10 and len(log.recent) == 10
     s = log.summary(t_end=2010.0)
-    assert "0.005 (first 10 steps) -> 0.996 (last 10)" in s                 # means of 1..10 and 991..1000, / 1000
+    assert "0.005 (first 10 steps) -> 0.996 (last 10)" in s       # means of 1..10 and 991..1000, / 1000
     assert f"{sum(range(1, 1001))} dropped as stale, 2000 groups filtered" in s
     assert "wait for rollout 25% | train 50% | weight sync 12%" in s        # of 2000 s: 500, 1000, 250
 
@@ -205,8 +209,10 @@ def test_proxy_records_requests_and_the_weight_update_phases():
         return p.take_events()
     events = run_virtual(main())
     reqs = [e for e in events if e["ev"] == "req"]
-    assert [(e["rank"], e["v"], e["n"], e["finish"]) for e in reqs] == [(1, [0, 1], 6, "length"), (1, [1, 1], 2, "length")]
-    assert [(e["name"], e["version"]) for e in events if e["ev"] == "phase"] == [("suspend", 0), ("load", 1), ("resume", 1)]
+    assert [(e["rank"], e["v"], e["n"], e["finish"]) for e in reqs] == [(1, [0, 1], 6, "length"),
+                                                                        (1, [1, 1], 2, "length")]
+    assert [(e["name"], e["version"]) for e in events if e["ev"] == "phase"] == [("suspend", 0), ("load", 1),
+                                                                                 ("resume", 1)]
     for e in events:
         assert e["t"][0] <= e["t"][1]
 
@@ -214,8 +220,8 @@ def test_proxy_records_requests_and_the_weight_update_phases():
 def test_controller_forwards_each_acks_events_once():
     async def main():
         cfg = ControllerConfig(batch_groups=1, group_size=2)
-        c = AsyncController(cfg, SampleBuffer(LocalQueues(2), "test"), (Problem("1+1=", "2") for _ in itertools.count()),
-                            num_rollout_ranks=2)
+        c = AsyncController(cfg, SampleBuffer(LocalQueues(2), "test"),
+                            (Problem("1+1=", "2") for _ in itertools.count()), num_rollout_ranks=2)
         got = []
         c.events = type("Sink", (), {"add": got.append, "extend": got.extend})()
         for r in (0, 1):
@@ -224,7 +230,8 @@ def test_controller_forwards_each_acks_events_once():
         await c.sync_weights(1, send_fn=lambda group: None)
         for r in (0, 1):
             await c.buffer.put_ack(Ack(r, Phase.SYNCED, 1, engine={"busy_s": 0.5, "idle_s": 1.0},
-                                       timings={"receive_s": 0.1, "load_s": 0.1}, events=[{"ev": "req", "rank": r}]))
+                                       timings={"receive_s": 0.1, "load_s": 0.1},
+                                       events=[{"ev": "req", "rank": r}]))
         await c.finish_sync()
         await c.finish_sync()                                         # nothing in flight: nothing again
         return got

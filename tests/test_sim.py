@@ -1,5 +1,6 @@
-"""tools/sim.py on small settings: it drives the real AsyncController / SampleBuffer / EnvManager / LLMProxy code in
-virtual time and its results are sane. Every number here is virtual time; nothing measures wall time."""
+"""tools/sim.py on small settings: it drives the real AsyncController / SampleBuffer / EnvManager / LLMProxy
+code in virtual time and its results are sane. Every number here is virtual time; nothing measures wall
+time."""
 
 from dataclasses import replace
 
@@ -104,12 +105,12 @@ def test_workload_lengths_are_correlated_within_a_prompt_and_with_its_difficulty
 
 
 def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
-    """Lengths set by the prompt alone (all their spread between prompts) and a KV budget of 3 capped samples per
-    engine: with a group's samples on one engine (replication off) the engine holding the long groups runs out
-    of KV and preempts; replicated, both engines get half of every group, nothing is preempted, and the step's
-    generation ends sooner."""
-    cfg = sim.colocated(replace(TINY, kv_tokens=3 * 8192, len_median=2000, len_sigma=1.0, len_sigma_prompt=1.0,
-                                len_rho=1.0, filter_groups=False, steps=3), 2)
+    """Lengths set by the prompt alone (all their spread between prompts) and a KV budget of 3 capped samples
+    per engine: with a group's samples on one engine (replication off) the engine holding the long groups runs
+    out of KV and preempts; replicated, both engines get half of every group, nothing is preempted, and the
+    step's generation ends sooner."""
+    cfg = sim.colocated(replace(TINY, kv_tokens=3 * 8192, len_median=2000, len_sigma=1.0,
+                                len_sigma_prompt=1.0, len_rho=1.0, filter_groups=False, steps=3), 2)
     off = sim.simulate(replace(cfg, replicate=False))
     on = sim.simulate(replace(cfg, replicate=True))
     assert off["preemptions"] > 0

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_study_runs_and_writes_its_table_and_plot(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tools.study", "--losses", "decoupled_ppo", "--ratios", "0,2", "--seeds", "0",
-                        "--steps", "3", "--batch-groups", "4", "--group-size", "4", "--redundant", "2",
-                        "--eval-prompts", "8", "--eval-k", "2", "--out-dir", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "tools.study", "--losses", "decoupled_ppo", "--ratios", "0,2",
+                        "--seeds", "0", "--steps", "3", "--batch-groups", "4", "--group-size", "4",
+                        "--redundant", "2", "--eval-prompts", "8", "--eval-k", "2",
+                        "--out-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     data = json.loads((tmp_path / "study.json").read_text())

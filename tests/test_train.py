@@ -66,11 +66,12 @@ def rows(out_dir) -> list[dict]:
 def test_async_and_sync_runs(tmp_path, async_ratio):
     out = tmp_path / f"ratio{async_ratio}"
     evaluation = ["--eval-every", "2", "--eval-prompts", "8", "--eval-k", "2"] if async_ratio else []
-    # the off-policy machinery along: decoupled PPO over 2 mini-batches (async), recomputed old logprobs (sync)
+    # the off-policy machinery along: decoupled PPO over 2 mini-batches (async), recomputed old logprobs
+    # (sync)
     loss = (["--loss", "decoupled_ppo", "--mini-batches", "2", "--behav-weight-cap", "5"] if async_ratio else
             ["--recompute-old-logprobs"])
-    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0", *evaluation,
-                        *loss), out)
+    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0",
+                        *evaluation, *loss), out)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["version"] for x in r] == [1, 2, 3, 4]
     for x in r:
         assert x["staleness_max"] <= async_ratio
@@ -85,7 +86,8 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
             assert key in x, key
     if async_ratio == 0:
         assert all(x["staleness_max"] == 0 for x in r)
-        assert all("logp_diff_on_policy" in x and abs(x["ratio_mean"] - 1) < 1e-4 for x in r)   # all on-policy
+        # all on-policy
+        assert all("logp_diff_on_policy" in x and abs(x["ratio_mean"] - 1) < 1e-4 for x in r)
     else:      # held-out evaluation: version 2's round lands in a later row, the final one in the last row
         evals = [x for x in r if "eval_version" in x]
         log = Path(out).with_suffix(".log").read_text()
@@ -108,8 +110,10 @@ def test_kill_and_resume(tmp_path):
     time.sleep(2)                          # let the killed engines' ports close
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] % 2 == 0 and state["step"] >= 2
-    r = finish(torchrun(out, "--steps", str(state["step"] + 2), "--save-every", "2", "--async-ratio", "1", "--resume"), out)
-    assert [x["step"] for x in r] == list(range(1, state["step"] + 3))   # rows past the checkpoint were trimmed
+    r = finish(torchrun(out, "--steps", str(state["step"] + 2), "--save-every", "2", "--async-ratio", "1",
+                        "--resume"), out)
+    # rows past the checkpoint were trimmed
+    assert [x["step"] for x in r] == list(range(1, state["step"] + 3))
     resumed = r[state["step"]:]
     assert [x["step"] for x in resumed] == [state["step"] + 1, state["step"] + 2]
     assert [x["version"] for x in resumed] == [state["version"] + 1, state["version"] + 2]
@@ -120,15 +124,17 @@ def test_kill_and_resume(tmp_path):
 
 def test_bad_flags_name_the_problem(tmp_path):
     py = str(Path(sys.executable))
-    r = subprocess.run([py, "train.py", "--rollout-gpus", "2", "--train-gpus", "1", "--out-dir", str(tmp_path / "o")], cwd=ROOT,
-                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                              if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
+    r = subprocess.run([py, "train.py", "--rollout-gpus", "2", "--train-gpus", "1",
+                        "--out-dir", str(tmp_path / "o")], cwd=ROOT,
+                       capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items()
+                            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     assert r.returncode != 0 and "torchrun" in r.stderr
     r = subprocess.run([py, "train.py", "--loss", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "--loss" in r.stderr
     h = subprocess.run([py, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    for flag in ("--rollout-gpus", "--train-gpus", "--async-ratio", "--loss", "--steps", "--out-dir", "--model",
-                 "--data", "--resume"):
+    for flag in ("--rollout-gpus", "--train-gpus", "--async-ratio", "--loss", "--steps", "--out-dir",
+                 "--model", "--data", "--resume"):
         assert flag in h.stdout
 
 
@@ -139,8 +145,9 @@ def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
     out = tmp_path / "faults"
     # A hung call counts as a timeout only once it has hung --env-step-timeout-s, and a short run can
     # end first (a CI run failed so, with 4 steps and a 2 s timeout): 6 steps, 1 s, 10% of calls hang.
-    r = finish(torchrun(out, "--steps", "6", "--async-ratio", "1", "--save-every", "0", "--env-fail-rate", "0.1",
-                        "--env-hang-rate", "0.1", "--env-step-timeout-s", "1", "--env-latency-s", "0.01"), out)
+    r = finish(torchrun(out, "--steps", "6", "--async-ratio", "1", "--save-every", "0",
+                        "--env-fail-rate", "0.1", "--env-hang-rate", "0.1", "--env-step-timeout-s", "1",
+                        "--env-latency-s", "0.01"), out)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
     assert all(x["num_samples"] == 16 and x["samples_duplicate"] == 0 for x in r)
     stats = json.loads((out / "rollout_stats.json").read_text())
@@ -151,7 +158,8 @@ def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
     assert sum(x["samples_failed"] for x in r) > 0
 
 
-@pytest.mark.parametrize("victim", ["engine core", "engine worker", "rollout rank", "trainer rank", "torchrun"])
+@pytest.mark.parametrize("victim", ["engine core", "engine worker", "rollout rank", "trainer rank",
+                                    "torchrun"])
 def test_killed_process_leaves_nothing_behind(tmp_path, victim):
     """SIGKILL one process of a running job. An engine (core or worker) is replaced and the run
     finishes; any other death ends the job. Either way, no process of the job is left after it."""
@@ -192,7 +200,8 @@ def test_killed_process_leaves_nothing_behind(tmp_path, victim):
         # the new engine holds the trainer's weights (a sync its engine died in has no probe of its own:
         # when the controller's resync comes before the next sync, its probe is reported instead)
         diffs = [x["sync_probe_max_diff"] for x in r]
-        assert all(d is None or d < 1e-4 for d in diffs) and sum(d is None for d in diffs) <= 1 and diffs[-1] is not None
+        assert (all(d is None or d < 1e-4 for d in diffs) and sum(d is None for d in diffs) <= 1
+                and diffs[-1] is not None)
     else:
         assert p.returncode != 0
 

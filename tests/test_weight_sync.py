@@ -98,7 +98,8 @@ def test_a_new_generation_forms_a_new_group_and_mixed_dtypes_travel_as_they_are(
         assert torch.equal(got["a.weight"], NAMED[0][1] + k) and torch.equal(got["steps"], NAMED[3][1])
 
 
-def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and_the_iterator_is_drained(tmp_path):
+def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and_the_iterator_is_drained(
+        tmp_path):
     """Worker 2 dies on its first tensor, while 32 MB more are on their way (more than a socket
     buffers): the sender fails within seconds, naming the bucket and the generation; it still pulls
     every weight (FSDP's gathers behind the iterator); the other worker's receive fails too."""
@@ -122,4 +123,5 @@ def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and
         p.join(30)
         if p.is_alive():
             p.kill()
-    assert procs[1].exitcode == -signal.SIGKILL and procs[0].exitcode != 0   # the survivor's receive fails too
+    # the survivor's receive fails too
+    assert procs[1].exitcode == -signal.SIGKILL and procs[0].exitcode != 0

@@ -1,8 +1,10 @@
 """tools/: what measures, simulates or studies the system; none of it is imported by the core.
 Run from the repository root as modules, e.g. `.venv/bin/python -m tools.sim queue`.
 
-    sim.py              the simulator: the real controller/buffer/env_manager code on fake engines, paper scale
-    sim_vs_real.py      the simulator's engine model calibrated to real vLLM CPU engines, the same runs both ways
+    sim.py              the simulator: the real controller/buffer/env_manager code on fake engines,
+                        paper scale
+    sim_vs_real.py      the simulator's engine model calibrated to real vLLM CPU engines, the same runs
+                        both ways
     bench.py            the rollout speedups with real engines and the real trainer, side by side in one run
     bench_e2e.py        the whole system (ratio 0 and 2) against a plain synchronous loop, to the same reward
     bench_proxy.py      proxy vs raw AsyncLLM throughput, weight update time

@@ -48,38 +48,40 @@ def problems(seed: int, median: float, sigma: float, cap: int):
 
 async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer) -> dict:
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig
+    from controller import AsyncController, ControllerConfig, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
-    from losses import group_advantages
     from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
-    ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, filter_groups=False,
-                            timeout_s=300, **overrides)
-    version = proxies[0].version
-    ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap), len(proxies),
-                      version=version)
+    ccfg = ControllerConfig(**{"batch_groups": args.batch_groups, "group_size": args.group_size,
+                               "filter_groups": False, "redundant": 0, "timeout_s": 300, **overrides})
+    ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap),
+                           len(proxies), version=proxies[0].version)
     # every configuration reuses generation 0 of the sender's group (the same engines: no replacement)
     group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)     # in sync_weights' thread
-    rcfg = RolloutConfig(max_concurrency=args.max_concurrency, async_ratio=ccfg.async_ratio, max_total_tokens=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
-    runs = [asyncio.create_task(m.run()) for m in managers]
-    step_times, stale = [], []
-    for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
-        t0 = time.perf_counter()
-        batch, info = await ctrl.collect()
-        adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
-        await asyncio.to_thread(trainer.train_step, batch, adv)      # the event loop keeps serving rollout
-        await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
-        if args.verbose:
-            print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, wait {info['time_wait_rollout']:.2f}s, "
-                  f"{info['num_samples']} samples, {ctrl.groups_admitted} groups admitted", flush=True)
-        if step > 0:
-            step_times.append(time.perf_counter() - t0)
-            stale.append(info["staleness_max"])
-    await ctrl.stop()
-    await asyncio.gather(*runs)
+    rcfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=8, max_model_len=124)
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, async_ratio=ccfg.async_ratio)
+                for r, p in enumerate(proxies)]
+
+    async def train(batch, advantages, version):       # in a thread: the event loop keeps serving rollout
+        return await asyncio.to_thread(trainer.train_step, batch, advantages), None
+
+    async def loop():
+        step_times, stale = [], []
+        for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
+            t0 = time.perf_counter()
+            info = (await rl_step(ctrl, train, send, meta, group)).info
+            if args.verbose:
+                print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, "
+                      f"wait {info['time_wait_rollout']:.2f}s, "
+                      f"{info['num_samples']} samples, {ctrl.groups_admitted} groups admitted", flush=True)
+            if step > 0:
+                step_times.append(time.perf_counter() - t0)
+                stale.append(info["staleness_max"])
+        return step_times, stale
+
+    step_times, stale = await run_local(ctrl, managers, loop(), timeout_s=300 * (args.steps + 2))
     per_step = sum(step_times) / len(step_times)
     print(f"  {name:15s} {per_step:6.2f} s/step   staleness max {max(stale)}", flush=True)
     return {"s_per_step": round(per_step, 3), "staleness_max": max(stale)}
@@ -95,7 +97,8 @@ async def main(args):
 
     model_dir = str(tiny_model.ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=args.max_concurrency)
+    proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r),
+                                         max_num_seqs=args.max_concurrency)
                for r in range(2)]
     trainer = Trainer(model_dir, TrainConfig(loss="ppo", lr=1e-5, seed=args.seed))
     sender = Sender(timeout_s=300)                      # weight-sync rank 0, on a store of its own
@@ -108,7 +111,8 @@ async def main(args):
         "queue_rollout": dict(async_ratio=0, rollout_mode="queue", redundant=redundant),
         "no_replication": dict(async_ratio=0, replicate=False),
     }
-    print(f"bench: {args.steps} steps x {args.batch_groups}x{args.group_size} samples per configuration", flush=True)
+    print(f"bench: {args.steps} steps x {args.batch_groups}x{args.group_size} samples per configuration",
+          flush=True)
     res = {}
     try:
         # warm-up, not reported: the engines' first batches of each shape and the trainer's first
@@ -130,7 +134,8 @@ async def main(args):
         "setup": {"engines": 2, "steps": args.steps, "batch": f"{args.batch_groups}x{args.group_size}",
                   "length": f"lognormal median {args.median_len} sigma {args.sigma} cap {args.cap}"},
         "configs": res,
-        "speedup": {k: round(s[slow] / s[fast], 3) for k, (slow, fast) in pairs.items() if slow in s and fast in s},
+        "speedup": {k: round(s[slow] / s[fast], 3) for k, (slow, fast) in pairs.items()
+                    if slow in s and fast in s},
     }, indent=2))
 
 

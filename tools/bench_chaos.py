@@ -1,7 +1,7 @@
 """bench_chaos.py: a run that heals itself. SIGKILL a random rank at a random time, again and again;
 torchrun restarts the ranks and the run resumes from its last complete checkpoint on its own.
 
-    .venv/bin/python -m tools.bench_chaos                         # 10 kills, 60 steps, a checkpoint every 5 (~10 min)
+    .venv/bin/python -m tools.bench_chaos            # 10 kills, 60 steps, a checkpoint every 5 (~10 min)
     .venv/bin/python -m tools.bench_chaos --kills 3 --steps 20
 
 The job: `torchrun --max-restarts K ... train.py --resume auto --save-every N` (the default layout).
@@ -42,8 +42,10 @@ def checkpoint_step(out: Path) -> int:
 def main(args):
     out = Path(args.out_dir)
     cmd = torchrun_cmd("--steps", str(args.steps), "--save-every", str(args.save_every), "--resume", "auto",
-                       "--out-dir", str(out), *args.train_args, launcher=("--max-restarts", str(args.kills + 2)))
-    if not args.keep:        # a fresh run (torchrun restarts it with the same argv: --resume auto finds its checkpoint)
+                       "--out-dir", str(out), *args.train_args,
+                       launcher=("--max-restarts", str(args.kills + 2)))
+    # a fresh run (torchrun restarts it with the same argv: --resume auto finds its checkpoint)
+    if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -58,13 +60,15 @@ def main(args):
             while job.poll() is None and len(steps_done(out)) <= seen:
                 time.sleep(0.2)
             time.sleep(rng.uniform(args.min_wait_s, args.max_wait_s))
-            procs = [(role, p) for role, p in job_tree(job.pid).values() if role in ("trainer rank", "rollout rank")]
+            procs = [(role, p) for role, p in job_tree(job.pid).values()
+                     if role in ("trainer rank", "rollout rank")]
             if job.poll() is not None or not procs:
                 break
             role, victim = rng.choice(sorted(procs, key=lambda rp: rp[1].pid))
             done, ckpt = steps_done(out), checkpoint_step(out)
             victim.kill()
-            kills.append({"t_s": round(time.monotonic() - t0, 1), "victim": role, "last_step": max(done, default=0),
+            kills.append({"t_s": round(time.monotonic() - t0, 1), "victim": role,
+                          "last_step": max(done, default=0),
                           "checkpoint_step": ckpt, "steps_lost": max(done, default=0) - ckpt})
             print(f"kill {len(kills)}: {kills[-1]}", flush=True)
         rc = job.wait(args.timeout_s)
@@ -86,8 +90,10 @@ if __name__ == "__main__":
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--min-wait-s", type=float, default=0.0, help="after a (re)start's first step, wait at least this")
-    ap.add_argument("--max-wait-s", type=float, default=8.0, help="... and at most this, before the next kill")
+    ap.add_argument("--min-wait-s", type=float, default=0.0,
+                    help="after a (re)start's first step, wait at least this")
+    ap.add_argument("--max-wait-s", type=float, default=8.0,
+                    help="... and at most this, before the next kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="runs/chaos")
     ap.add_argument("--keep", action="store_true", help="do not clear out-dir first")

@@ -1,6 +1,6 @@
 """bench_e2e.py: the whole system against a plain synchronous loop, to the same reward, in one run.
 
-    .venv/bin/python -m tools.bench_e2e                      # naive, then the system at ratio 0 and 2 (~6 min)
+    .venv/bin/python -m tools.bench_e2e                 # naive, then the system at ratio 0 and 2 (~6 min)
     .venv/bin/python -m tools.bench_e2e --steps 80 --target 0.5 --seeds 0 1
 
 Three ways to train the embedded tiny model on the default task, with the same seed, task, batch
@@ -69,7 +69,8 @@ def naive(args, seed: int) -> dict:
     torch.set_num_threads(os.cpu_count())
     model_dir = str(tiny_model.ensure_tiny_model())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    trainer = Trainer(model_dir, TrainConfig(loss=args.loss, lr=args.lr, micro_batch=args.micro_batch, seed=seed))
+    trainer = Trainer(model_dir, TrainConfig(loss=args.loss, lr=args.lr, micro_batch=args.micro_batch,
+                                             seed=seed))
     torch.manual_seed(seed)
     problems = problem_stream(None, seed, make=task.make_problem)
     B, G, eos = args.batch_groups, args.group_size, tok.eos_token_id
@@ -77,7 +78,8 @@ def naive(args, seed: int) -> dict:
     for step in range(args.naive_steps):
         t0 = time.monotonic()
         batch = [next(problems) for _ in range(B)]
-        prompts = [tok.encode(p.prompt) for p in batch for _ in range(G)]         # B*G rows, a group's rows together
+        # B*G rows, a group's rows together
+        prompts = [tok.encode(p.prompt) for p in batch for _ in range(G)]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])        # left-padded [B*G, width]
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -95,8 +97,8 @@ def naive(args, seed: int) -> dict:
             n = row.index(eos) + 1 if eos in row else len(row)                  # through EOS, as the engine
             p = batch[i // G]
             text = tok.decode(row[:n], skip_special_tokens=True)
-            samples.append(Sample(f"{step}.{i}", f"{step}.{i // G}", prompts[i], row[:n], taken[i, :n].tolist(),
-                                  [1] * n, [step] * n, task.reward(p, text)))
+            samples.append(Sample(f"{step}.{i}", f"{step}.{i // G}", prompts[i], row[:n],
+                                  taken[i, :n].tolist(), [1] * n, [step] * n, task.reward(p, text)))
         r = torch.tensor([s.reward for s in samples])
         trainer.train_step(samples, group_advantages(r, G).tolist())
         step_times.append(time.monotonic() - t0)
@@ -114,12 +116,14 @@ def naive(args, seed: int) -> dict:
 
 def system(args, seed: int, async_ratio: int, out_dir: Path) -> dict:
     cmd = torchrun_cmd("--steps", str(args.steps), "--async-ratio", str(async_ratio),
-                       "--out-dir", str(out_dir), "--save-every", "0", "--seed", str(seed), "--loss", args.loss,
-                       "--lr", str(args.lr), "--batch-groups", str(args.batch_groups), "--group-size", str(args.group_size),
+                       "--out-dir", str(out_dir), "--save-every", "0", "--seed", str(seed),
+                       "--loss", args.loss, "--lr", str(args.lr), "--batch-groups", str(args.batch_groups),
+                       "--group-size", str(args.group_size),
                        "--max-tokens", str(args.max_tokens), "--micro-batch", str(args.micro_batch))
     t = time.monotonic()
     with open(out_dir.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=args.timeout_s).returncode
     wall = time.monotonic() - t
     if rc != 0:
         raise SystemExit(f"bench_e2e: {' '.join(cmd)} failed (exit {rc}); see {out_dir.with_suffix('.log')}")
@@ -151,7 +155,8 @@ def main(args):
         return round(x / y, 3) if x and y else None
 
     print(json.dumps({
-        "setup": {"batch": f"{args.batch_groups}x{args.group_size}", "max_tokens": args.max_tokens, "lr": args.lr,
+        "setup": {"batch": f"{args.batch_groups}x{args.group_size}", "max_tokens": args.max_tokens,
+                  "lr": args.lr,
                   "loss": args.loss, "target": args.target, "seeds": args.seeds, "system_steps": args.steps},
         "runs": res,
         "ratios": {"async_over_sync_s_per_step": ratio("sync", "async", "s_per_step"),

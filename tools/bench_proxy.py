@@ -1,7 +1,7 @@
 """bench_proxy.py: what the proxy costs. Same requests through LLMProxy vs straight into AsyncLLM,
 on one real vLLM engine, interleaved in one run; plus the weight update time.
 
-    .venv/bin/python -m tools.bench_proxy                      # tiny model, 512 requests x 64 tokens, 6 rounds
+    .venv/bin/python -m tools.bench_proxy               # tiny model, 512 requests x 64 tokens, 6 rounds
     .venv/bin/python -m tools.bench_proxy --model DIR --num-requests 512 --max-tokens 128
 
 Prints one JSON object: raw and proxy tokens/s per round, proxy/raw throughput ratio (median of
@@ -37,7 +37,8 @@ async def run_raw(llm, prompts, max_tokens, tag):
 async def run_proxy(proxy, prompts, max_tokens):
     from proxy import Sampling
 
-    cs = await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=max_tokens, ignore_eos=True)) for p in prompts])
+    cs = await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=max_tokens, ignore_eos=True))
+                                for p in prompts])
     return sum(len(c.token_ids) for c in cs)
 
 

@@ -13,8 +13,8 @@ suspends, trainer rank 0 broadcasts into the engine's worker, each bucket is loa
 
 Two runs per tree: the 103M Qwen2 (hidden 1024, 8 layers, tiny tokenizer, 0.41 GB in float32) with
 `--batch-groups 2 --group-size 4 --max-tokens 4 --no-filter-groups --steps 5`, and the default run
-(the embedded tiny model, `--steps 80`, as `bash run.sh`). From each run's metrics.jsonl, steps 2.. (after start-up;
-row k reports the acks of sync k - 1):
+(the embedded tiny model, `--steps 80`, as `bash run.sh`). From each run's metrics.jsonl, steps 2..
+(after start-up; row k reports the acks of sync k - 1):
 
     s/sync      end to end on the rollout side, from the SYNC command to the engine running again on
                 the new weights: before: receive + suspend/load/resume; after: suspend/receive/resume.
@@ -41,7 +41,8 @@ from tools.jobs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository root
 RUNS = {   # name -> (train.py args, model dir or None for the embedded default)
-    "103M": (["--batch-groups", "2", "--group-size", "4", "--max-tokens", "4", "--no-filter-groups"], ".cache/qwen2-103m"),
+    "103M": (["--batch-groups", "2", "--group-size", "4", "--max-tokens", "4", "--no-filter-groups"],
+             ".cache/qwen2-103m"),
     "default": ([], None),
 }
 
@@ -60,7 +61,8 @@ def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
         rc = subprocess.run(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
     if rc != 0:
-        raise SystemExit(f"bench_weight_sync: {' '.join(cmd)} in {tree} failed (exit {rc}); see {out.with_suffix('.log')}")
+        raise SystemExit(f"bench_weight_sync: {' '.join(cmd)} in {tree} failed (exit {rc}); "
+                         f"see {out.with_suffix('.log')}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     after = "time_vllm_load" in rows[-1]
     # rows that report a sync (the first row reports the start-up check, not a sync)
@@ -69,9 +71,12 @@ def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
     s_sync = statistics.fmean(per_sync[1:])          # the first sync forms the weight-sync group: apart
     gb = model_bytes(model_dir) / 1e9
     return {"tree": "after" if after else "before", "run": name, "steps": steps, "model_gb": round(gb, 3),
-            "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2), "first_sync_s": round(per_sync[0], 3),
-            "vllm_load_s": round(statistics.fmean(r["time_vllm_load"] for r in synced[1:]), 3) if after else None,
-            "sync_share": round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows), 4),
+            "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2),
+            "first_sync_s": round(per_sync[0], 3),
+            "vllm_load_s": (round(statistics.fmean(r["time_vllm_load"] for r in synced[1:]), 3)
+                            if after else None),
+            "sync_share": round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows),
+                                4),
             "util": round(statistics.fmean(r["rollout_utilisation"] for r in synced), 3),
             "wall_s": round(time.monotonic() - t, 1)}
 
@@ -81,7 +86,8 @@ def table(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         load = f"{r['vllm_load_s']:.3f}" if r["vllm_load_s"] is not None else "-"
-        lines.append(f"| {r['run']} ({r['model_gb']} GB) | {r['tree']} | {r['s_per_sync']:.3f} | {r['gb_per_s']:.2f} | "
+        lines.append(f"| {r['run']} ({r['model_gb']} GB) | {r['tree']} | {r['s_per_sync']:.3f} | "
+                     f"{r['gb_per_s']:.2f} | "
                      f"{r['first_sync_s']:.3f} | {load} | {r['sync_share']:.1%} | {r['util']:.2f} |")
     return "\n".join(lines)
 
@@ -112,11 +118,14 @@ def main(args):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="a checkout of the old path (git worktree add DIR 314ce2d)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True,
+                    help="a checkout of the old path (git worktree add DIR 314ce2d)")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--steps", type=int, default=5, help="103M run: train.py --steps")
-    ap.add_argument("--default-steps", type=int, default=80, help="default run: train.py --steps (80: the default)")
+    ap.add_argument("--default-steps", type=int, default=80,
+                    help="default run: train.py --steps (80: the default)")
     ap.add_argument("--out-dir", default="runs/bench_weight_sync")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
     main(ap.parse_args())

@@ -33,7 +33,8 @@ def free_port_pair() -> int:
 def torchrun_cmd(*train_args: str, rollout_gpus: int = 1, launcher=()) -> list[str]:
     """`torchrun ... train.py` on one node: 1 trainer rank + `rollout_gpus` rollout ranks (the default
     layout for 1), on free loopback ports; `launcher`: extra torchrun flags (e.g. --max-restarts)."""
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1), *launcher,
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1),
+            *launcher,
             "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
             "--rollout-gpus", str(rollout_gpus), "--train-gpus", "1", *train_args]
 
@@ -52,7 +53,8 @@ def role_of(p, root_pid: int) -> str:
     if "resource_tracker" in cmd:
         return "resource tracker"
     parent = p.parent()
-    if parent is not None and "train.py" in " ".join(parent.cmdline()) and parent.environ().get("RANK") == "0":
+    if (parent is not None and "train.py" in " ".join(parent.cmdline())
+            and parent.environ().get("RANK") == "0"):
         return "queue server"
     return "helper"
 

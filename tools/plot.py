@@ -12,9 +12,9 @@ timeline.png, the asynchronous pipeline in wall-clock time (seconds from the fir
   and the weight broadcast;
 - per rollout rank, "sync": the engine's suspend, load (the broadcast received into the engine,
   weight_sync.py) and resume (runs recorded before weight_sync.py also show "receive": the broadcast
-  arriving at the rank while the engine generated); and "requests": every engine request from start to finish, one
-  line each, stacked in lanes (the stack's height is the number in flight), coloured by the policy
-  version of its tokens. A request whose tokens span a weight update (suspend mode "keep") changes
+  arriving at the rank while the engine generated); and "requests": every engine request from start to
+  finish, one line each, stacked in lanes (the stack's height is the number in flight), coloured by the
+  policy version of its tokens. A request whose tokens span a weight update (suspend mode "keep") changes
   colour at that rank's resume. Red shading: the engine is suspended.
 The title gives the figures the README quotes: engine idle (no request in flight, or suspended) and
 the trainer's time waiting for rollout, as fractions of the time shown. With --compare, both runs'
@@ -52,7 +52,8 @@ class PlotConfig:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.exists() else [])
 
 
 def last_session(events: list[dict]) -> list[dict]:
@@ -154,17 +155,20 @@ class Timeline:
         span = self.t1 - self.t0
         idle = {}
         for r in self.ranks:
-            busy = subtract(union([tuple(q["t"]) for q in self.reqs if q["rank"] == r]), union(self.suspended(r)))
+            busy = subtract(union([tuple(q["t"]) for q in self.reqs if q["rank"] == r]),
+                            union(self.suspended(r)))
             idle[r] = 1.0 - length(busy, self.t0, self.t1) / span
-        trainer = {k: sum(length([tuple(s[k])], self.t0, self.t1) for s in self.steps) / span for k in TRAINER_PHASES}
+        trainer = {k: sum(length([tuple(s[k])], self.t0, self.t1) for s in self.steps) / span
+                   for k in TRAINER_PHASES}
         return {"seconds": span, "steps": len(self.steps), "s_per_step": span / len(self.steps),
                 "engine_idle": idle, "trainer": trainer, "requests": len(self.reqs)}
 
     def title(self) -> str:
         st = self.stats()
         idle = ", ".join(f"{v:.0%}" for v in st["engine_idle"].values())
-        return (f"{self.run_dir}: async ratio {self.async_ratio}, {st['steps']} steps in {st['seconds']:.1f}s "
-                f"({st['s_per_step']:.2f} s/step) | engine idle {idle} | trainer waits for rollout "
+        return (f"{self.run_dir}: async ratio {self.async_ratio}, {st['steps']} steps in "
+                f"{st['seconds']:.1f}s ({st['s_per_step']:.2f} s/step) | engine idle {idle} | "
+                f"trainer waits for rollout "
                 f"{st['trainer']['collect']:.0%}, trains {st['trainer']['train']:.0%}"
                 + (f" | {self.missing} requests not recorded" if self.missing else ""))
 
@@ -194,19 +198,22 @@ class Timeline:
             lane = lanes([tuple(q["t"]) for q in reqs])
             n = max(lane, default=0) + 1
             band_top, h = y - 0.3, 4.0
-            switch = {p["version"]: p["t"][1] for p in mine if p["name"] == "resume"}   # new weights from here
+            # new weights from here
+            switch = {p["version"]: p["t"][1] for p in mine if p["name"] == "resume"}
             segs, colors = [], []
             for q, ln in zip(reqs, lane):
                 yy = band_top - (ln + 0.5) * h / n
                 a, (v, v_last) = q["t"][0], q["v"]
-                for nv in range(v + 1, v_last + 1):        # a request that spans weight updates changes colour
+                # a request that spans weight updates changes colour
+                for nv in range(v + 1, v_last + 1):
                     t = switch.get(nv)
                     if t is not None and a < t < q["t"][1]:
                         segs.append([(a - o, yy), (t - o, yy)]), colors.append(cmap(norm(v)))
                         a, v = t, nv
                 segs.append([(a - o, yy), (q["t"][1] - o, yy)]), colors.append(cmap(norm(v_last)))
             ax.add_collection(LineCollection(segs, colors=colors, linewidths=max(0.3, min(2.0, 60 / n))))
-            ax.broken_barh([(a - o, b - a) for a, b in self.suspended(r)], (band_top - h, h + 1.0),   # this rank's rows
+            ax.broken_barh([(a - o, b - a) for a, b in self.suspended(r)],
+                           (band_top - h, h + 1.0),   # this rank's rows
                            color="tab:red", alpha=0.1, lw=0)
             ticks.append(band_top - h / 2), labels.append(f"rank {r} requests\n({n} lanes max)")
             y = band_top - h - 1.0
@@ -233,13 +240,14 @@ def plot_timeline(timelines: list[Timeline], path: Path) -> list[str]:
     axes[0, 0].set_xlim(0, max(tl.t1 - tl.t0 for tl in timelines))    # shared: the longest run, whole
     for ax in axes[:-1, 0]:
         ax.set_xlabel("")
-    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), fraction=0.02, pad=0.01,
-                       label="policy version of the tokens")
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), fraction=0.02,
+                       pad=0.01, label="policy version of the tokens")
     bar.set_ticks(range(lo, hi + 1, max(1, (hi - lo + 1) // 10)))
     handles = [Patch(color=c, label=f"trainer: {k}") for k, c in TRAINER_PHASES.items()] + \
               [Patch(color=c, label=f"rank: {k}") for k, c in RANK_PHASES.items()] + \
               [Patch(color="tab:red", alpha=0.15, label="engine suspended")]
-    fig.legend(handles=handles, loc="lower center", ncol=9, fontsize=8, frameon=False, bbox_to_anchor=(0.45, -0.03))
+    fig.legend(handles=handles, loc="lower center", ncol=9, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.45, -0.03))
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [ax.get_title() for ax in axes[:, 0]]
@@ -262,7 +270,8 @@ def plot_metrics(rows: list[dict], path: Path, async_ratio: int | None) -> list[
         a1.plot(*zip(*pts), "o-", label=key)
     a1.set_title("reward per step")
     a1.legend(fontsize=8)
-    parts = {"wait for rollout": [r["time_wait_rollout"] for r in rows], "train": [r["time_train"] for r in rows],
+    parts = {"wait for rollout": [r["time_wait_rollout"] for r in rows],
+             "train": [r["time_train"] for r in rows],
              "weight sync": [r["time_weight_sync"] for r in rows]}
     parts["rest"] = [max(0.0, r["time_step"] - sum(p[i] for p in parts.values())) for i, r in enumerate(rows)]
     bottom = [0.0] * len(rows)
@@ -300,7 +309,8 @@ def plot_run(cfg: PlotConfig) -> dict[str, list[str]]:
         written[str(out / "timeline.png")] = plot_timeline([tl], out / "timeline.png")
         if cfg.compare:
             other = Timeline(cfg.compare, cfg.from_step, cfg.to_step)
-            written[str(out / "timeline_compare.png")] = plot_timeline([tl, other], out / "timeline_compare.png")
+            written[str(out / "timeline_compare.png")] = plot_timeline([tl, other],
+                                                                       out / "timeline_compare.png")
     return written
 
 

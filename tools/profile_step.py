@@ -1,6 +1,6 @@
 """profile_step.py: where a default step's time goes, in every process of the job (py-spy).
 
-    .venv/bin/python -m tools.profile_step                   # the default run, profiled for 20 s after 15 steps
+    .venv/bin/python -m tools.profile_step                # the default run, profiled for 20 s after 15 steps
     .venv/bin/python -m tools.profile_step --seconds 30 -- --async-ratio 0     # extra args go to train.py
 
 It starts the default run (`torchrun train.py`, the default layout), waits until `--skip` steps
@@ -48,9 +48,11 @@ PHASES = [
     ("queue server", "serving queue calls", r""),
     ("rollout rank", "receive weights (gloo)", r"receive_weights"),
     ("rollout rank", "suspend, load, resume", r"update_weights|load_weights|suspend|resume"),
-    ("rollout rank", "vLLM front end: engine outputs", r"process_outputs_socket|OutputProcessor|output_handler"),
+    ("rollout rank", "vLLM front end: engine outputs",
+     r"process_outputs_socket|OutputProcessor|output_handler"),
     ("rollout rank", "reward (verifier)", r"reward"),
-    ("rollout rank", "trajectories + proxy", r"rollout_once|run_trajectory|LLMProxy|_consume|VLLMEngine.stream"),
+    ("rollout rank", "trajectories + proxy",
+     r"rollout_once|run_trajectory|LLMProxy|_consume|VLLMEngine.stream"),
     ("rollout rank", "env manager: slots, queue calls", r"_pull_tasks|_flush|get_many|put_many|_loop"),
     ("rollout rank", "other (event loop)", r""),
     ("vLLM engine core", "spin-wait on the worker queue", r"sched_yield|acquire_read|SpinCondition"),
@@ -106,7 +108,8 @@ def classify(raw: str) -> tuple[collections.Counter, dict]:
 
 def main(args, train_args: list[str]):
     out_dir = Path(tempfile.mkdtemp(prefix="profile-"))
-    cmd = torchrun_cmd("--out-dir", str(out_dir), "--save-every", "0", "--steps", str(args.skip + 1000), *train_args)
+    cmd = torchrun_cmd("--out-dir", str(out_dir), "--save-every", "0", "--steps", str(args.skip + 1000),
+                       *train_args)
     log = open(out_dir / "train.log", "w")
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = out_dir / "metrics.jsonl"

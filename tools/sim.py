@@ -2,7 +2,8 @@
 
     python -m tools.sim queue          # queue scheduling vs batch rollout, 8x8, 0 and 16 redundant prompts
     python -m tools.sim replication    # prompt replication on/off at 64x16 and 16x32
-    python -m tools.sim envasync       # env-level async rollout vs lockstep envs (latency 10 +- 10 s), + redundant envs
+    python -m tools.sim envasync       # env-level async rollout vs lockstep envs (latency 10 +- 10 s),
+                                       # + redundant envs
     python -m tools.sim scaling        # async vs sync, 16..128 GPUs, same GPU budget
     python -m tools.sim split          # rollout/train split sweep on 40 GPUs
     python -m tools.sim ratio          # async ratio 0, 1, 2, 4, 8
@@ -79,10 +80,10 @@ import looptime
 
 from buffer import LocalQueues, SampleBuffer
 from config import sub_config
-from controller import AsyncController, ControllerConfig
+from controller import AsyncController, ControllerConfig, rl_step, run_local
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultyEnv, LatencyEnv
-from fake_engine import FakeTimedEngine
+from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy
 from task import Problem
 
@@ -92,7 +93,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 @dataclass
 class SimConfig:
     # cluster
-    rollout_gpus: int = 24          # R: engines (EnvManager + LLMProxy + FakeTimedEngine each); colocated: all N GPUs
+    rollout_gpus: int = 24          # R: engines (EnvManager + LLMProxy + FakeTimedEngine each); colocated:
+                                    # all N GPUs
     train_gpus: int = 16            # T: GPUs in the trainer's time model; colocated: the same N GPUs
     colocated: bool = False         # sync baseline: the same GPUs generate then train (needs async_ratio 0)
     # controller (controller.ControllerConfig)
@@ -111,55 +113,64 @@ class SimConfig:
     # with correlation len_rho, the median of its samples' lengths; the samples of one prompt vary around it.
     len_median: float = 400         # response tokens per model turn, lognormal median over all prompts
     len_sigma: float = 1.0          # lognormal sigma over all samples (mean = 1.65x median before the cap)
-    len_sigma_prompt: float = 0.7   # the part of len_sigma that is between prompts: sigma^2 = 0.7^2 + 0.71^2, half
-                                    # the log-length variance is the prompt's (assumed: hard prompts give long
-                                    # answers for the whole group; 0 = lengths drawn independently per sample)
-    len_rho: float = 0.7            # correlation of a prompt's log-length with its difficulty (assumed: failed
-                                    # attempts run longer); 1 = the hardest prompts are also the longest
+    len_sigma_prompt: float = 0.7   # the part of len_sigma that is between prompts: sigma^2 = 0.7^2 + 0.71^2,
+                                    # half the log-length variance is the prompt's (assumed: hard prompts give
+                                    # long answers for the whole group; 0 = lengths drawn independently per
+                                    # sample)
+    len_rho: float = 0.7            # correlation of a prompt's log-length with its difficulty (assumed:
+                                    # failed attempts run longer); 1 = the hardest prompts are also the
+                                    # longest
     max_tokens: int = 8192          # cap per model turn (Sampling.max_tokens)
     prompt_median: float = 256      # prompt tokens (problem + chat template), lognormal median per prompt
     prompt_sigma: float = 0.5       # ... and sigma; capped at prompt_cap
     prompt_cap: int = 2048
     turns: int = 1                  # model turns per trajectory (multi-turn env)
-    reward_s: float = 5.0           # verifier latency per sample, mean (s): sandbox / LLM-judge scale; with it the
-                                    # reward phase is ~10% of a sync step (RollPacker: 5-13%), see `calibrate`
+    reward_s: float = 5.0           # verifier latency per sample, mean (s): sandbox / LLM-judge scale; with
+                                    # it the reward phase is ~10% of a sync step (RollPacker: 5-13%), see
+                                    # `calibrate`
     reward_std_s: float = 1.5
     env_mean_s: float = 0.0         # env latency per reset/step (envs.LatencyEnv), mean and std (s)
     env_std_s: float = 0.0
     fail_rate: float = 0.0          # env call failure rate (envs.FaultyEnv), retried by the EnvManager
-    lockstep: str = ""              # sync-env baseline: "engine" (each engine's trajectories advance turn by turn
-                                    # together) or "batch" (all B*G trajectories do); "" = env-level async
+    lockstep: str = ""              # sync-env baseline: "engine" (each engine's trajectories advance turn by
+                                    # turn together) or "batch" (all B*G trajectories do); "" = env-level
+                                    # async
     # engine model (fake_engine.FakeTimedEngine): an 8B dense model in bf16 (Qwen3-8B: 8.2e9 parameters, 36
     # layers, 8 KV heads of 128) on one 80 GB H800/H100 (3.35 TB/s HBM, 989 TFLOP/s bf16), one engine per GPU
-    t0: float = 0.010               # s per decode step at batch 0: 16.4 GB of weights at ~2 TB/s achieved (8.2 ms)
-                                    # + ~2 ms of scheduling, sampling and launch
-    k: float = 3e-5                 # s per running sequence per step: its matmuls, 2 x 8.2e9 FLOP per token at
-                                    # ~550 TFLOP/s achieved (grows the step by 4 ms at 128 sequences)
-    k_ctx: float = 1.0e-7           # s per context token of the running sequences per step: attention reads its KV,
-                                    # 2 (K, V) x 36 layers x 8 heads x 128 x 2 B = 147 kB per token, at ~1.5 TB/s
-    k_prefill: float = 3e-5         # s per prefilled token (prompt, or recompute after a preemption): compute-bound,
-                                    # the same 16.4 GFLOP per token as a decode token's matmuls
-    kv_tokens: int = 300_000        # KV-cache budget per engine, tokens: 80 GB x 0.8 gpu_memory_utilization (room
-                                    # for the trainer's offloaded states and NCCL buffers) - 16.4 GB weights - ~4 GB
-                                    # activations and CUDA graphs = 44 GB, / 147 kB per token
-    block_size: int = 16            # tokens per KV block (vLLM's default); rounded up to one chunk in the fake engine
-    max_num_seqs: int = 128         # sequences decoding at once per engine (vLLM max_num_seqs): memory binds first
-                                    # when their mean context passes kv_tokens / 128 = 2.3k tokens
-    max_concurrency: int = 192      # trajectories in flight per engine (RolloutConfig): 1.5x max_num_seqs, since a
-                                    # trajectory holds its slot while its verifier runs (~1/5 of its life here);
-                                    # synchronous runs use an even share of the step's tasks instead, see even()
+    t0: float = 0.010               # s per decode step at batch 0: 16.4 GB of weights at ~2 TB/s achieved
+                                    # (8.2 ms) + ~2 ms of scheduling, sampling and launch
+    k: float = 3e-5                 # s per running sequence per step: its matmuls, 2 x 8.2e9 FLOP per token
+                                    # at ~550 TFLOP/s achieved (grows the step by 4 ms at 128 sequences)
+    k_ctx: float = 1.0e-7           # s per context token of the running sequences per step: attention reads
+                                    # its KV, 2 (K, V) x 36 layers x 8 heads x 128 x 2 B = 147 kB per token,
+                                    # at ~1.5 TB/s
+    k_prefill: float = 3e-5         # s per prefilled token (prompt, or recompute after a preemption):
+                                    # compute-bound, the same 16.4 GFLOP per token as a decode token's matmuls
+    kv_tokens: int = 300_000        # KV-cache budget per engine, tokens: 80 GB x 0.8 gpu_memory_utilization
+                                    # (room for the trainer's offloaded states and NCCL buffers) - 16.4 GB
+                                    # weights - ~4 GB activations and CUDA graphs = 44 GB, / 147 kB per token
+    block_size: int = 16            # tokens per KV block (vLLM's default); rounded up to one chunk in the
+                                    # fake engine
+    max_num_seqs: int = 128         # sequences decoding at once per engine (vLLM max_num_seqs): memory binds
+                                    # first when their mean context passes kv_tokens / 128 = 2.3k tokens
+    max_concurrency: int = 192      # trajectories in flight per engine (RolloutConfig): 1.5x max_num_seqs,
+                                    # since a trajectory holds its slot while its verifier runs (~1/5 of its
+                                    # life here); synchronous runs use an even share of the step's tasks
+                                    # instead, see even()
     chunk: int = 64                 # real tokens per fake token (time resolution, see docstring)
     # trainer model
-    train_tok_s: float = 4400.0     # tokens/s per trainer GPU (prompt + response tokens), calibrated so that a
-                                    # colocated sync step spends ~22% training (RollPacker), see `calibrate`. For
-                                    # 8B: fwd+bwd (6 x 8.2e9 FLOP/token) + old and ref logprob passes (4 x 8.2e9)
-                                    # = 82 GFLOP/token, i.e. 36% of a 989 TFLOP/s GPU, a usual training MFU
+    train_tok_s: float = 4400.0     # tokens/s per trainer GPU (prompt + response tokens), calibrated so that
+                                    # a colocated sync step spends ~22% training (RollPacker), see
+                                    # `calibrate`. For 8B: fwd+bwd (6 x 8.2e9 FLOP/token) + old and ref
+                                    # logprob passes (4 x 8.2e9) = 82 GFLOP/token, i.e. 36% of a 989 TFLOP/s
+                                    # GPU, a usual training MFU
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
-    broadcast_s: float = 2.0        # weight broadcast to the engines (paused for it): 16 GB over NCCL (~50 GB/s IB)
-                                    # + bucketing
+    broadcast_s: float = 2.0        # weight broadcast to the engines (paused for it): 16 GB over NCCL
+                                    # (~50 GB/s IB) + bucketing
     load_s: float = 1.0             # engine weight load
     # run
-    steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline to fill)
+    steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline
+                                    # to fill)
     warmup: int = 2                 # first steps excluded from the steady-state numbers (pipeline fill)
     seed: int = 0
     poll_s: float = 1.0             # EnvManager poll period, virtual seconds (real: 0.01; see docstring)
@@ -288,8 +299,9 @@ def engine_tok_s(cfg: SimConfig) -> float:
 def demand(cfg: SimConfig) -> tuple[float, float, float]:
     """Expected tokens generated per step (filtered groups included), tokens per trained sample, and the
     mean context of a running sequence (weighted by its time in the engine), all in real tokens."""
-    key = tuple(getattr(cfg, f) for f in ("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens",
-                                          "prompt_median", "prompt_sigma", "prompt_cap", "chunk", "turns"))
+    key = tuple(getattr(cfg, f) for f in ("len_median", "len_sigma", "len_sigma_prompt", "len_rho",
+                                          "max_tokens", "prompt_median", "prompt_sigma", "prompt_cap",
+                                          "chunk", "turns"))
     response, per_sample, ctx, ps = _demand(key)
     g = cfg.group_size if cfg.filter_groups else 0
     q = statistics.fmean(p ** g + (1 - p) ** g for p in ps) if g else 0.0
@@ -300,8 +312,8 @@ def demand(cfg: SimConfig) -> tuple[float, float, float]:
 def _demand(key: tuple):
     """Monte Carlo over the run's own Workload (fixed seeds): mean response and sample tokens, mean
     running context, pass rates."""
-    c = SimConfig(**dict(zip(("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens", "prompt_median",
-                              "prompt_sigma", "prompt_cap", "chunk", "turns"), key)))
+    c = SimConfig(**dict(zip(("len_median", "len_sigma", "len_sigma_prompt", "len_rho", "max_tokens",
+                              "prompt_median", "prompt_sigma", "prompt_cap", "chunk", "turns"), key)))
     w, rng = Workload(c), random.Random(12345)
     resp = plen = life = weighted_ctx = 0.0
     ps = []
@@ -328,8 +340,8 @@ def ideal_steps_per_s(cfg: SimConfig, occupancy: float = 1.0) -> float:
 
 def best_split(cfg: SimConfig, gpus: int, occupancy: float = 1.0) -> int:
     """Rollout GPUs that maximise the ideal bound on `gpus` GPUs, the engines kept `occupancy` busy."""
-    return max(range(1, gpus), key=lambda r: ideal_steps_per_s(replace(cfg, rollout_gpus=r, train_gpus=gpus - r),
-                                                               occupancy))
+    return max(range(1, gpus),
+               key=lambda r: ideal_steps_per_s(replace(cfg, rollout_gpus=r, train_gpus=gpus - r), occupancy))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,9 +356,9 @@ async def _simulate(cfg: SimConfig) -> dict:
     ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, iter(lambda: Problem("q", ""), None), R)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
     workload = Workload(cfg)
-    rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s, max_turns=cfg.turns,
-                      max_total_tokens=2 + -(-cfg.prompt_cap // cfg.chunk) + cfg.turns * (turn_cap + 1),
-                      sync_timeout_s=cfg.timeout_s,
+    rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s,
+                      max_turns=cfg.turns,
+                      max_model_len=2 + -(-cfg.prompt_cap // cfg.chunk) + cfg.turns * (turn_cap + 1),
                       stop_timeout_s=cfg.timeout_s)
     batch_barrier = asyncio.Barrier(cfg.batch_groups * cfg.group_size) if cfg.lockstep == "batch" else None
     proxies, managers = [], []
@@ -365,40 +377,32 @@ async def _simulate(cfg: SimConfig) -> dict:
             return LockstepEnv(env, barrier) if barrier else env
 
         proxies.append(proxy)
-        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, env_wrappers=wrap))
+        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, async_ratio=cfg.async_ratio,
+                                   sync_timeout_s=cfg.timeout_s, env_wrappers=wrap))
 
     rows = []
 
-    async def trainer():                        # train.py's trainer loop, with modelled training time
-        for step in range(cfg.steps):
+    async def train(batch, advantages, version):  # modelled training time
+        tokens = sum(s.num_tokens for s in batch) * cfg.chunk
+        await asyncio.sleep(train_time(cfg, tokens, T))
+        return {"tokens": tokens}, None
+
+    # the trainer's side of the broadcast: until every engine has it
+    async def send(group):
+        async with asyncio.timeout(cfg.timeout_s):   # (virtual seconds; the engines model the transfer)
+            while any(p.version <= ctrl.version for p in proxies):
+                await asyncio.sleep(0.05)
+
+    async def trainer():                          # train.py's loop (controller.rl_step)
+        for _ in range(cfg.steps):
             t0 = loop.time()
-            batch, info = await ctrl.collect()
-            t1 = loop.time()
-            tokens = sum(s.num_tokens for s in batch) * cfg.chunk
-            await asyncio.sleep(train_time(cfg, tokens, T))
-            t2 = loop.time()
-            v = ctrl.version + 1
-
-            async def send(group, v=v):          # the trainer's side of the broadcast: until every engine has it
-                async with asyncio.timeout(cfg.timeout_s):   # (virtual seconds)
-                    while any(p.version < v for p in proxies):
-                        await asyncio.sleep(0.05)
-            await ctrl.sync_weights(v, send)     # (the engines model the transfer: suspended, then load_s)
-            rows.append({**info, "t_end": loop.time(), "time_rollout": t1 - t0, "time_train": t2 - t1,
-                         "time_sync": loop.time() - t2, "tokens": tokens,
+            s = await rl_step(ctrl, train, send)
+            rows.append({**s.info, "t_end": loop.time(), "time_rollout": s.info["time_wait_rollout"],
+                         "time_train": s.train_s, "time_sync": s.sync["time_weight_sync"],
+                         "tokens": s.metrics["tokens"],
                          "tokens_generated": sum(p.num_tokens for p in proxies) * cfg.chunk})
-        await ctrl.stop()
 
-    runs = [asyncio.ensure_future(m.run()) for m in managers]
-    main = asyncio.ensure_future(trainer())
-    done, _ = await asyncio.wait([main, *runs], timeout=cfg.timeout_s * (cfg.steps + 1),
-                                 return_when=asyncio.FIRST_EXCEPTION)
-    for t in done:
-        if t.exception() is not None:
-            raise t.exception()
-    if not main.done():
-        raise TimeoutError("sim: the trainer loop did not finish")
-    await asyncio.wait_for(asyncio.gather(*runs), cfg.timeout_s)
+    await run_local(ctrl, managers, trainer(), cfg.timeout_s * (cfg.steps + 1))
     for p in proxies:
         p.shutdown()
     out = summarize(cfg, rows, R)
@@ -424,11 +428,13 @@ def summarize(cfg: SimConfig, rows: list[dict], R: int) -> dict:
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in m),
         "dropped_stale": sum(r["samples_dropped_stale"] for r in m) / len(m),
         "filtered": sum(r["groups_filtered"] for r in m) / len(m),
-        "engine_util": gen / (R * engine_tok_s(cfg) * elapsed),    # decode throughput / full-occupancy throughput
+        # decode throughput / full-occupancy throughput
+        "engine_util": gen / (R * engine_tok_s(cfg) * elapsed),
         "rows": rows,
     }
     if not cfg.colocated and cfg.async_ratio > 0:
-        out["ideal_steps_per_s"] = ideal_steps_per_s(cfg)    # the bound of the expected workload (splits, plots)
+        # the bound of the expected workload (splits, plots)
+        out["ideal_steps_per_s"] = ideal_steps_per_s(cfg)
         # efficiency: against the bound of the work this window really held, since a few steps of a
         # long-tailed workload can be much lighter or heavier than its expectation. Generated tokens
         # include work later filtered or aborted as stale, which the pipeline had to do as well.
@@ -443,7 +449,8 @@ def simulate(cfg: SimConfig) -> dict:
         raise ValueError("a colocated run is synchronous: async_ratio must be 0")
     if cfg.lockstep not in ("", "engine", "batch"):
         raise ValueError(f"lockstep must be '', 'engine' or 'batch', got {cfg.lockstep!r}")
-    if cfg.lockstep and (cfg.async_ratio or cfg.filter_groups or cfg.redundant or cfg.env_redundancy or cfg.fail_rate
+    if cfg.lockstep and (cfg.async_ratio or cfg.filter_groups or cfg.redundant or cfg.env_redundancy
+                         or cfg.fail_rate
                          or cfg.batch_groups * cfg.group_size != cfg.rollout_gpus * cfg.max_concurrency):
         raise ValueError("lockstep: needs a synchronous run whose batch fills every engine exactly "
                          "(B*G == R*max_concurrency), no filtering, no redundancy, no failures")
@@ -486,8 +493,9 @@ def table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 # The length median the paper's own queue-scheduling times imply under this engine model: its 37 s per step is
-# ~2.4k tokens of decoding for the 8th good group at ~13 ms per step, the longest sample of a group of 8 is ~3x
-# its prompt's median, so the median prompt answers ~1k tokens (and its 125 s batch rollout is the 8k cap).
+# ~2.4k tokens of decoding for the 8th good group at ~13 ms per step, the longest sample of a group of 8 is
+# ~3x its prompt's median, so the median prompt answers ~1k tokens (and its 125 s batch rollout is the 8k
+# cap).
 PAPER_QUEUE_MEDIAN = 1000
 
 
@@ -495,18 +503,22 @@ def exp_queue(base: SimConfig):
     """8x8 on one 8-GPU node, synchronous; per-step generation time (the collect phase). Two workloads:
     the default (median 400, cap 20x the median) and the median the paper's times imply."""
     rows, res = [], {}
-    workloads = {"default (median 400)": base, f"median {PAPER_QUEUE_MEDIAN}": replace(base, len_median=PAPER_QUEUE_MEDIAN)}
+    workloads = {"default (median 400)": base,
+                 f"median {PAPER_QUEUE_MEDIAN}": replace(base, len_median=PAPER_QUEUE_MEDIAN)}
     for wname, w in workloads.items():
         for redundant in (0, 16):
             for mode in ("batch", "queue"):
-                cfg = colocated(replace(w, batch_groups=8, group_size=8, redundant=redundant, rollout_mode=mode,
-                                        steps=2 * base.steps), 8)      # small, cheap steps: twice as many
+                # small, cheap steps: twice as many
+                cfg = colocated(replace(w, batch_groups=8, group_size=8, redundant=redundant,
+                                        rollout_mode=mode, steps=2 * base.steps), 8)
                 res[wname, mode, redundant] = r = simulate(cfg)
                 rows.append([wname, mode, redundant, r["rollout_s"], r["filtered"], r["engine_util"]])
-    ratios = {(w, n): res[w, "batch", n]["rollout_s"] / res[w, "queue", n]["rollout_s"] for w in workloads for n in (0, 16)}
+    ratios = {(w, n): res[w, "batch", n]["rollout_s"] / res[w, "queue", n]["rollout_s"]
+              for w in workloads for n in (0, 16)}
     lines = table(["workload", "rollout", "redundant prompts", "generation s/step", "groups filtered/step",
                    "engine occupancy"], rows) + [""] + [
-        f"{w}: batch / queue generation time {ratios[w, 16]:.2f}x with 16 redundant prompts, {ratios[w, 0]:.2f}x with "
+        f"{w}: batch / queue generation time {ratios[w, 16]:.2f}x with 16 redundant prompts, "
+        f"{ratios[w, 0]:.2f}x with "
         "none" for w in workloads] + ["", "paper: 125 s -> 37 s, 3.4x with 16 redundant prompts"]
 
     def plot(ax):
@@ -519,14 +531,15 @@ def exp_queue(base: SimConfig):
     return "queue scheduling vs batch rollout (8x8, 8 GPUs)", lines, plot
 
 
-# A long-response (Think-style) workload on the same engines: median 4k, cap 16k. 128 sequences per engine then
-# need ~600k tokens of KV against kv_tokens = 300k, so the engines are memory-bound and preempt.
+# A long-response (Think-style) workload on the same engines: median 4k, cap 16k. 128 sequences per engine
+# then need ~600k tokens of KV against kv_tokens = 300k, so the engines are memory-bound and preempt.
 LONG = dict(len_median=4000, max_tokens=16384, chunk=128)
 
 
 def memory_note(cfg: SimConfig) -> str:
     ctx = demand(cfg)[2]
-    return (f"mean running context {ctx:.0f} tokens: {cfg.max_num_seqs} sequences need {cfg.max_num_seqs * ctx / 1e3:.0f}k "
+    return (f"mean running context {ctx:.0f} tokens: {cfg.max_num_seqs} sequences need "
+            f"{cfg.max_num_seqs * ctx / 1e3:.0f}k "
             f"of the {cfg.kv_tokens / 1e3:.0f}k KV tokens")
 
 
@@ -543,7 +556,8 @@ def exp_replication(base: SimConfig):
                                     steps=2 * base.steps if w == "default" else base.steps - 1,
                                     **(LONG if w == "long" else {})), 8)
             t[rep] = r = simulate(cfg)
-            rows.append([w, f"{b}x{g}", "on" if rep else "off", r["rollout_s"], r["preemptions"], r["engine_util"]])
+            rows.append([w, f"{b}x{g}", "on" if rep else "off", r["rollout_s"], r["preemptions"],
+                         r["engine_util"]])
         ratio[w, b, g] = t[False]["rollout_s"] / t[True]["rollout_s"]
     lines = table(["workload", "batch x responses", "replication", "generation s/step", "preemptions/step",
                    "engine occupancy"], rows) + [
@@ -571,17 +585,21 @@ def exp_envasync(base: SimConfig):
     t_sync = res[0][1]["rollout_s"]
     rows = [[name, r["rollout_s"], t_sync / r["rollout_s"], r["step_s"], r["engine_util"]] for name, r in res]
     t_batch = res[1][1]["rollout_s"]
-    lines = table(["rollout", "rollout s/step", "speedup vs per-engine lockstep", "step s", "engine occupancy"], rows) + [
-        "", f"env-level async: {rows[2][2]:.2f}x over per-engine lockstep, {t_batch / res[2][1]['rollout_s']:.2f}x over "
-        f"whole-batch lockstep (paper 2.46x); with redundant env rollout (10 trajectories per group of 8, the first "
-        f"8 kept; 25% more env instances, same engines): {rows[3][2]:.2f}x over per-engine, "
-        f"{t_batch / res[3][1]['rollout_s']:.2f}x over whole-batch lockstep (paper, real envs: ALFWorld 2.72x, SWE 1.81x)",
-        "", "The lockstep baselines pay the slowest of the batch's env calls every turn: normal(10, 10) clipped at 0 has a "
-        "thin tail (the slowest of 256 draws is ~38 s), which bounds the gain near 2.1x even with free generation."]
+    lines = table(["rollout", "rollout s/step", "speedup vs per-engine lockstep", "step s",
+                   "engine occupancy"], rows) + [
+        "", f"env-level async: {rows[2][2]:.2f}x over per-engine lockstep, "
+        f"{t_batch / res[2][1]['rollout_s']:.2f}x over whole-batch lockstep (paper 2.46x); with redundant "
+        f"env rollout (10 trajectories per group of 8, the first 8 kept; 25% more env instances, same "
+        f"engines): {rows[3][2]:.2f}x over per-engine, {t_batch / res[3][1]['rollout_s']:.2f}x over "
+        f"whole-batch lockstep (paper, real envs: ALFWorld 2.72x, SWE 1.81x)",
+        "", "The lockstep baselines pay the slowest of the batch's env calls every turn: normal(10, 10) "
+        "clipped at 0 has a thin tail (the slowest of 256 draws is ~38 s), which bounds the gain near 2.1x "
+        "even with free generation."]
 
     def plot(ax):
         ax.bar(range(len(res)), [r["rollout_s"] for _, r in res])
-        ax.set_xticks(range(len(res)), ["lockstep\nper engine", "lockstep\nbatch", "env async", "+ redundant"])
+        ax.set_xticks(range(len(res)), ["lockstep\nper engine", "lockstep\nbatch", "env async",
+                                        "+ redundant"])
         ax.set_ylabel("rollout time per step (s)")
     return "environment-level asynchronous rollout (latency 10 +- 10 s)", lines, plot
 
@@ -590,10 +608,12 @@ def e2e(base: SimConfig, gpus: int, rollout_gpus: int, alpha: int) -> dict:
     """One end-to-end run on `gpus` GPUs: colocated sync (rollout_gpus=0) or split with ratio alpha."""
     if rollout_gpus == 0:        # sync steps are all alike: one fewer
         return simulate(replace(colocated(base, gpus), steps=max(2, base.steps - 1)))
-    return simulate(replace(base, rollout_gpus=rollout_gpus, train_gpus=gpus - rollout_gpus, async_ratio=alpha))
+    return simulate(replace(base, rollout_gpus=rollout_gpus, train_gpus=gpus - rollout_gpus,
+                            async_ratio=alpha))
 
 
-SAMPLES_PER_GPU = 64     # end-to-end runs: the batch grows with the cluster (weak scaling), half an engine per GPU
+# end-to-end runs: the batch grows with the cluster (weak scaling), half an engine per GPU
+SAMPLES_PER_GPU = 64
 
 
 def scaled(base: SimConfig, gpus: int) -> SimConfig:
@@ -617,17 +637,20 @@ def exp_scaling(base: SimConfig):
         s, a = e2e(cfg, n, 0, 0), e2e(cfg, n, r, 2)
         xs.append(n); sync_tp.append(s["samples_per_s"]); async_tp.append(a["samples_per_s"])
         ideal_tp.append(a["ideal_steps_per_s"] * cfg.batch_groups * cfg.group_size)
-        rows.append([n, f"{cfg.batch_groups}x{cfg.group_size}", s["samples_per_s"], f"{r}/{n - r}", a["samples_per_s"],
-                     a["samples_per_s"] / s["samples_per_s"], ideal_tp[-1], a["efficiency"], a["staleness_max"],
-                     a["dropped_stale"], a["sync_s"]])
+        rows.append([n, f"{cfg.batch_groups}x{cfg.group_size}", s["samples_per_s"], f"{r}/{n - r}",
+                     a["samples_per_s"], a["samples_per_s"] / s["samples_per_s"], ideal_tp[-1],
+                     a["efficiency"], a["staleness_max"], a["dropped_stale"], a["sync_s"]])
     rb = best_split(cfg, 128)
     b = e2e(cfg, 128, rb, 2)
-    lines = table(["GPUs", "batch", "sync colocated samples/s", "async split R/T", "async samples/s", "speedup",
-                   "ideal samples/s", "efficiency", "max staleness", "stale drops/step", "weight sync s"], rows) + [
-        "", f"async: alpha 2, split provisioned for a rollout pool kept {ALPHA2_OCCUPANCY:.0%} busy; at the split "
-        f"the ideal bound calls balanced ({rb}/{128 - rb}) 128 GPUs give {b['samples_per_s']:.3g} samples/s, "
-        f"efficiency {b['efficiency']:.1%}. Efficiency = achieved / ideal pipeline bound of the split.",
-        "", f"async / sync: {', '.join(f'{r[5]:.2f}x' for r in rows)} at {', '.join(str(x) for x in xs)} GPUs "
+    lines = table(["GPUs", "batch", "sync colocated samples/s", "async split R/T", "async samples/s",
+                   "speedup", "ideal samples/s", "efficiency", "max staleness", "stale drops/step",
+                   "weight sync s"], rows) + [
+        "", f"async: alpha 2, split provisioned for a rollout pool kept {ALPHA2_OCCUPANCY:.0%} busy; at "
+        f"the split the ideal bound calls balanced ({rb}/{128 - rb}) 128 GPUs give "
+        f"{b['samples_per_s']:.3g} samples/s, efficiency {b['efficiency']:.1%}. Efficiency = achieved / "
+        f"ideal pipeline bound of the split.",
+        "", f"async / sync: {', '.join(f'{r[5]:.2f}x' for r in rows)} at "
+        f"{', '.join(str(x) for x in xs)} GPUs "
         f"(paper: up to 2.24x, near-linear async scaling); async efficiency at 128 GPUs: {rows[-1][7]:.1%}"]
 
     def plot(ax):
@@ -670,13 +693,15 @@ def exp_ratio(base: SimConfig):
     sync = e2e(cfg, n, 0, 0)
     rows, xs, ys = [["colocated sync", "", sync["samples_per_s"], 1.0, 0, ""]], [], []
     for alpha in (0, 1, 2, 4, 8):
-        a = e2e(cfg, n, r, alpha) if alpha else simulate(replace(even(cfg, r), train_gpus=n - r, async_ratio=0,
-                                                                 warmup=0))
+        a = e2e(cfg, n, r, alpha) if alpha else simulate(replace(even(cfg, r), train_gpus=n - r,
+                                                                 async_ratio=0, warmup=0))
         xs.append(alpha); ys.append(a["samples_per_s"] / sync["samples_per_s"])
         rows.append([f"{r}/{n - r} split", alpha, a["samples_per_s"], ys[-1], a["staleness_max"],
                      a.get("efficiency", "")])
-    lines = table(["setup", "alpha", "samples/s", "speedup vs colocated sync", "max staleness", "efficiency"], rows) + [
-        "", f"alpha 2 reaches {ys[2] / max(ys):.0%} of the best speedup ({max(ys):.2f}x at alpha {xs[ys.index(max(ys))]}) "
+    lines = table(["setup", "alpha", "samples/s", "speedup vs colocated sync", "max staleness",
+                   "efficiency"], rows) + [
+        "", f"alpha 2 reaches {ys[2] / max(ys):.0%} of the best speedup "
+        f"({max(ys):.2f}x at alpha {xs[ys.index(max(ys))]}) "
         "(paper: alpha = 2 is near-maximal)"]
 
     def plot(ax):
@@ -688,7 +713,8 @@ def exp_ratio(base: SimConfig):
 
 
 def exp_calibrate(base: SimConfig):
-    """Where a synchronous colocated step's time goes (RollPacker: rollout 66-72%, reward 5-13%, train 21-23%)."""
+    """Where a synchronous colocated step's time goes (RollPacker: rollout 66-72%, reward 5-13%, train
+    21-23%)."""
     cfg = replace(scaled(base, 32), steps=base.steps + 2)
     r = simulate(colocated(cfg, 32))
     r0 = simulate(colocated(replace(cfg, reward_s=0.0, reward_std_s=0.0), 32))
@@ -702,19 +728,21 @@ def exp_calibrate(base: SimConfig):
 
     def plot(ax):
         ax.pie(list(parts.values()), labels=list(parts), autopct="%.0f%%")
-    return f"time split of a synchronous colocated step (32 GPUs, {cfg.batch_groups}x{cfg.group_size})", lines, plot
+    return (f"time split of a synchronous colocated step (32 GPUs, {cfg.batch_groups}x{cfg.group_size})",
+            lines, plot)
 
 
-EXPERIMENTS = {"queue": (exp_queue, RLVR), "replication": (exp_replication, RLVR), "envasync": (exp_envasync, AGENT),
-               "scaling": (exp_scaling, RLVR), "split": (exp_split, RLVR), "ratio": (exp_ratio, RLVR),
-               "calibrate": (exp_calibrate, RLVR)}
+EXPERIMENTS = {"queue": (exp_queue, RLVR), "replication": (exp_replication, RLVR),
+               "envasync": (exp_envasync, AGENT), "scaling": (exp_scaling, RLVR), "split": (exp_split, RLVR),
+               "ratio": (exp_ratio, RLVR), "calibrate": (exp_calibrate, RLVR)}
 
 
 def run_experiment(name: str, overrides: dict):
     fn, base = EXPERIMENTS[name]
     t = time.time()
     title, lines, plot = fn(replace(base, **overrides))
-    lines = [f"# {title}", "", f"`python -m tools.sim {name}` (virtual time; {time.time() - t:.0f} s of real time)", ""] + lines
+    lines = [f"# {title}", "",
+             f"`python -m tools.sim {name}` (virtual time; {time.time() - t:.0f} s of real time)", ""] + lines
     print("\n".join(lines) + "\n", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -84,90 +84,65 @@ async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
     N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> broadcast into
     both engines and load -> resume), one broadcast to both engines as in a run."""
     from tools import bench
-    from weight_sync import push
-    rows = []
-    for plen in PROMPT_LENS:
-        for n in N_SWEEP:
-            gen = bench.problems(args.seed + n + plen, args.median_len, 1.0, 124 - plen - 4)
-            lengths = [next(gen).target_len for _ in range(CAL_REQUESTS * n)]
-            ctx = plen + sum(x * x for x in lengths) / (2 * sum(lengths))   # time-weighted mean context
-            t, cpu = time.perf_counter(), time.process_time()
-            steps = await asyncio.gather(*[closed_loop(p, n, plen, lengths, vocab) for p in proxies])
-            rows += [(n, ctx, s) for s in steps]
-            if n == max(N_SWEEP):
-                front_cpu = (time.process_time() - cpu) / (time.perf_counter() - t)
-
-    async def sync():             # the engines are paused for the transfer: the fake engine's load_s models both
-        await asyncio.gather(*[p.suspend("keep") for p in proxies])
-        t = time.perf_counter()
-        await push(proxies, sender, weights, proxies[0].version)     # generation 0, as run()'s syncs
-        await asyncio.gather(*[p.resume() for p in proxies])
-        return time.perf_counter() - t
-    loads = [await sync() for _ in range(3)]
-    t0, k, k_ctx = fit(rows)
-    return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads), "front_end_cores_at_64": front_cpu,
-            "max_abs_residual_ms": 1e3 * max(abs(t0 + k * n + k_ctx * n * c - s) for n, c, s in rows)}
-
-
-async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dict:
-    """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual).
-    sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
-    from tools import bench
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig
+    from controller import AsyncController, ControllerConfig, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
     from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, async_ratio=alpha,
-                            filter_groups=False, timeout_s=300)
+                            redundant=0, filter_groups=False, timeout_s=300)
     ctrl = AsyncController(ccfg, buffer, bench.problems(args.seed, args.median_len, 1.0, 110), len(proxies),
                            version=proxies[0].version)
 
     meta = weight_meta(weights)
     group = sender.spec(0, len(proxies)) if sender else None
-    async def modelled_send(group):         # fake engines: the trainer waits until every engine has the weights
-        async with asyncio.timeout(300):    # (TimeoutError: the modelled weight sync never ended)
+    async def modelled_send(group):         # fake engines: the trainer waits until every engine has the
+        async with asyncio.timeout(300):    # weights (TimeoutError: the modelled weight sync never ended)
             while any(p.version <= ctrl.version for p in proxies):
                 await asyncio.sleep(0.005)
     send = (lambda g: sender.send(g, weights, meta)) if sender else modelled_send
-    rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, async_ratio=alpha, max_total_tokens=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
-    runs = [asyncio.ensure_future(m.run()) for m in managers]
+    rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, max_tokens=8, max_model_len=124)
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, async_ratio=alpha) for r, p in enumerate(proxies)]
     loop = asyncio.get_running_loop()
-    times, utils, waits, syncs = [], [], [], []
-    tokens0 = 0
-    for step in range(args.steps + 1):                  # step 0: warm-up, not counted
-        t = loop.time()
-        _, info = await ctrl.collect()
+
+    async def train(batch, advantages, version):     # training modelled as a sleep
         await asyncio.sleep(args.train_s)
-        sync = await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
-        if step == 0:
-            t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
-        else:
-            times.append(loop.time() - t)
-            utils.append(sync["rollout_utilisation"])
-            waits.append(info["time_wait_rollout"])
-            syncs.append(sync["time_weight_sync"])
-    tok_s = (sum(p.num_tokens for p in proxies) - tokens0) / (loop.time() - t_start)
-    front_cpu = (time.process_time() - cpu0) / (loop.time() - t_start)   # this process: controller, managers, proxies
-    await ctrl.stop()
-    await asyncio.wait_for(asyncio.gather(*runs), 60)
-    return {"s_per_step": statistics.fmean(times), "utilisation": statistics.fmean(utils),
-            "rollout_wait_s": statistics.fmean(waits), "sync_s": statistics.fmean(syncs), "tokens_per_s": tok_s,
-            "front_end_cores": front_cpu}
+        return {}, None
+
+    async def steps():
+        times, utils, waits, syncs = [], [], [], []
+        for step in range(args.steps + 1):                  # step 0: warm-up, not counted
+            t = loop.time()
+            s = await rl_step(ctrl, train, send, meta, group)
+            if step == 0:
+                t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
+            else:
+                times.append(loop.time() - t)
+                utils.append(s.sync["rollout_utilisation"])
+                waits.append(s.info["time_wait_rollout"])
+                syncs.append(s.sync["time_weight_sync"])
+        tok_s = (sum(p.num_tokens for p in proxies) - tokens0) / (loop.time() - t_start)
+        # this process: controller, managers, proxies
+        front_cpu = (time.process_time() - cpu0) / (loop.time() - t_start)
+        return {"s_per_step": statistics.fmean(times), "utilisation": statistics.fmean(utils),
+                "rollout_wait_s": statistics.fmean(waits), "sync_s": statistics.fmean(syncs),
+                "tokens_per_s": tok_s, "front_end_cores": front_cpu}
+
+    return await run_local(ctrl, managers, steps(), timeout_s=300 * (args.steps + 2))
 
 
 def run_sim(consts: dict, tokenizer, weights, args, alpha: int, kv_tokens: int) -> dict:
     import looptime
 
-    from fake_engine import FakeTimedEngine
+    from tools.fake_engine import FakeTimedEngine
     from proxy import LLMProxy
 
     async def main():
-        proxies = [LLMProxy(FakeTimedEngine(t0=consts["t0"], k=consts["k"], k_ctx=consts["k_ctx"], kv_tokens=kv_tokens,
-                                            max_num_seqs=MAX_NUM_SEQS, load_s=consts["load_s"],
-                                            vocab_size=tokenizer.vocab_size, seed=r), rank=r, timeout_s=120)
+        proxies = [LLMProxy(FakeTimedEngine(t0=consts["t0"], k=consts["k"], k_ctx=consts["k_ctx"],
+                                            kv_tokens=kv_tokens, max_num_seqs=MAX_NUM_SEQS,
+                                            load_s=consts["load_s"], vocab_size=tokenizer.vocab_size, seed=r),
+                            rank=r, timeout_s=120)
                    for r in range(2)]
         try:
             return await run(proxies, tokenizer, weights, args, alpha)
@@ -186,10 +161,12 @@ async def real_repeats(args, model_dir, tokenizer, weights, kv_tokens) -> list[d
     from weight_sync import Sender
     proxies = [await LLMProxy.start_vllm(model_dir, rank=r, cpu_cores=str(r), max_num_seqs=MAX_NUM_SEQS,
                                          kv_cache_gib=KV_GIB, timeout_s=120) for r in range(2)]
-    sender = Sender(timeout_s=120)                # weight-sync rank 0 (the trainer's side), on a store of its own
+    # weight-sync rank 0 (the trainer's side), on a store of its own
+    sender = Sender(timeout_s=120)
     out = []
     try:
-        await calibrate(proxies, sender, weights, tokenizer.vocab_size, args)   # warm-up: first batches are slow
+        # warm-up: first batches are slow
+        await calibrate(proxies, sender, weights, tokenizer.vocab_size, args)
         for rep in range(args.repeats):
             consts = await calibrate(proxies, sender, weights, tokenizer.vocab_size, args)
             real = {a: await run(proxies, tokenizer, weights, args, a, sender) for a in args.alphas}
@@ -203,9 +180,11 @@ async def real_repeats(args, model_dir, tokenizer, weights, kv_tokens) -> list[d
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=1, help="calibrate + real runs, repeated on the same engines")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="calibrate + real runs, repeated on the same engines")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (plus one warm-up)")
-    ap.add_argument("--alphas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2], help="async ratios")
+    ap.add_argument("--alphas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2],
+                    help="async ratios")
     ap.add_argument("--batch-groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--median-len", type=float, default=24, help="median forced response length, tokens")
@@ -223,7 +202,8 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     weights = list(load_file(f"{model_dir}/model.safetensors").items())
     c = _json.load(open(f"{model_dir}/config.json"))
-    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    kv_bytes = (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
+                * (c["hidden_size"] // c["num_attention_heads"]) * 4)
     kv_tokens = KV_GIB * 2 ** 30 // kv_bytes                      # float32 K and V per token, all layers
     out = asyncio.run(real_repeats(args, model_dir, tokenizer, weights, kv_tokens))
     for o in out:                                                      # the engines are gone: simulate
@@ -236,9 +216,11 @@ def main():
         su = [o["sim"][a]["utilisation"] for o in out]
         summary[f"alpha{a}"] = {
             "real_s_per_step": r, "sim_s_per_step": s, "sim_over_real_s": [x / y for x, y in zip(s, r)],
-            "real_utilisation": ru, "sim_utilisation": su, "sim_over_real_util": [x / y for x, y in zip(su, ru)]}
-    print(json.dumps({"setup": {"engines": 2, "batch": f"{args.batch_groups}x{args.group_size}", "steps": args.steps,
-                                "train_s": args.train_s, "median_len": args.median_len, "kv_tokens": kv_tokens},
+            "real_utilisation": ru, "sim_utilisation": su,
+            "sim_over_real_util": [x / y for x, y in zip(su, ru)]}
+    print(json.dumps({"setup": {"engines": 2, "batch": f"{args.batch_groups}x{args.group_size}",
+                                "steps": args.steps, "train_s": args.train_s, "median_len": args.median_len,
+                                "kv_tokens": kv_tokens},
                       "constants": [o["consts"] for o in out], "summary": summary}, indent=1))
 
 

@@ -1,6 +1,6 @@
 """soak.py: a long run with faults injected, watched for leaks.
 
-    .venv/bin/python -m tools.soak                       # 30 minutes, async ratio 2, 10% env failures, 5% hangs
+    .venv/bin/python -m tools.soak                  # 30 minutes, async ratio 2, 10% env failures, 5% hangs
     .venv/bin/python -m tools.soak --minutes 3 -- --batch-groups 8      # extra args after -- go to train.py
     .venv/bin/python -m tools.soak --engine-rounds 8     # one engine alone: its memory over 8 x 10k requests
 
@@ -73,7 +73,8 @@ def engine_rounds(args):
 
         def rss():
             kids = psutil.Process().children(recursive=True)
-            return {role: round(sum(p.memory_info().rss for p in kids if key in " ".join(p.cmdline())) / 2**20, 1)
+            return {role: round(sum(p.memory_info().rss for p in kids
+                                    if key in " ".join(p.cmdline())) / 2**20, 1)
                     for role, key in (("engine core", "EngineCore"), ("engine worker", "Worker"))}
         try:
             await proxy.generate([5, 6, 7], Sampling(max_tokens=2))
@@ -91,7 +92,8 @@ def engine_rounds(args):
 def main(args):
     out = Path(args.out_dir)
     ratio = args.async_ratio
-    cmd = torchrun_cmd("--steps", "1000000", "--time-limit-min", str(args.minutes), "--async-ratio", str(ratio),
+    cmd = torchrun_cmd("--steps", "1000000", "--time-limit-min", str(args.minutes),
+                       "--async-ratio", str(ratio),
                        "--env-fail-rate", "0.1", "--env-hang-rate", "0.05", "--env-step-timeout-s", "2",
                        "--save-every", "100", "--out-dir", str(out), "--overwrite", *args.train_args)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +114,8 @@ def main(args):
             if job.poll() is None:
                 job.kill()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    stats = json.loads((out / "rollout_stats.json").read_text()) if (out / "rollout_stats.json").exists() else {}
+    stats = (json.loads((out / "rollout_stats.json").read_text())
+             if (out / "rollout_stats.json").exists() else {})
     warm = [(t, s) for t, s in series if t >= args.warmup_min * 60 and s]
     memory = {}
     for role in sorted({r for _, s in warm for r in s}):
@@ -120,15 +123,17 @@ def main(args):
         first, last = pts[0][1], pts[-1][1]
         memory[role] = {"rss_mb_first": round(first[0], 1), "rss_mb_last": round(last[0], 1),
                         "rss_growth_mb": round(last[0] - first[0], 1),
-                        "rss_growth_pct": round(100 * (last[0] - first[0]) / first[0], 1) if first[0] else None,
-                        "rss_slope_mb_per_10min": round(600 * slope([t for t, _ in pts], [v[0] for _, v in pts]), 2),
+                        "rss_growth_pct": (round(100 * (last[0] - first[0]) / first[0], 1)
+                                           if first[0] else None),
+                        "rss_slope_mb_per_10min": round(600 * slope([t for t, _ in pts],
+                                                                     [v[0] for _, v in pts]), 2),
                         "fds": [first[1], last[1]], "threads": [first[2], last[2]],
                         "window_min": [round(pts[0][0] / 60, 1), round(pts[-1][0] / 60, 1)]}
     ctrl = stats.get("controller", {})
     run = json.loads((out / "checkpoint" / "state.json").read_text())["config"]    # what the run was given
     bound = (ratio + 1) * run["batch_groups"] + run["redundant"]
-    unresolved = ctrl.get("groups_admitted", 0) - ctrl.get("groups_taken", 0) - ctrl.get("groups_filtered", 0) \
-        - ctrl.get("groups_dropped_stale", 0) - ctrl.get("groups_failed", 0)
+    unresolved = ctrl.get("groups_admitted", 0) - ctrl.get("groups_taken", 0) \
+        - ctrl.get("groups_filtered", 0) - ctrl.get("groups_dropped_stale", 0) - ctrl.get("groups_failed", 0)
     ranks = stats.get("rollout_ranks", [])
     print(json.dumps({
         "command": " ".join(cmd[1:]), "exit_status": rc, "wall_min": round((time.monotonic() - t0) / 60, 1),
@@ -153,8 +158,8 @@ if __name__ == "__main__":
     ap.add_argument("--every-s", type=float, default=30.0, help="seconds between memory samples")
     ap.add_argument("--warmup-min", type=float, default=3.0, help="memory growth is measured from here")
     ap.add_argument("--out-dir", default="runs/soak")
-    ap.add_argument("--engine-rounds", type=int, default=0, help="instead: one engine alone, this many rounds "
-                    "of 10k requests")
+    ap.add_argument("--engine-rounds", type=int, default=0,
+                    help="instead: one engine alone, this many rounds of 10k requests")
     args = ap.parse_args(argv)
     args.train_args = extra
     engine_rounds(args) if args.engine_rounds else main(args)

@@ -53,15 +53,15 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     initial policy's evaluation alone)."""
     import task
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, problem_stream
+    from controller import AsyncController, ControllerConfig, problem_stream, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
-    from losses import group_advantages
     from trainer import TrainConfig, Trainer
     from weight_sync import push, weight_meta
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
-    trainer = Trainer(model_dir, TrainConfig(loss=loss, lr=args.lr, mini_batches=args.mini_batches, seed=seed))
+    trainer = Trainer(model_dir, TrainConfig(loss=loss, lr=args.lr, mini_batches=args.mini_batches,
+                                             seed=seed))
     version = proxy.version + 1                       # the engine back to the initial weights
     await proxy.suspend("keep")
     await push([proxy], sender, initial, version)     # generation 0 of sender's group, as the syncs below
@@ -69,28 +69,31 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     buffer = SampleBuffer(LocalQueues(1), f"study {loss} ratio {ratio} seed {seed}", timeout_s=300)
     ctrl = AsyncController(ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size,
                                             async_ratio=ratio, redundant=args.redundant, sample_order=order,
-                                            timeout_s=300), buffer, problem_stream(None, seed, make=task.make_problem),
-                           1, version=version)
+                                            timeout_s=300), buffer,
+                           problem_stream(None, seed, make=task.make_problem), 1, version=version)
     group, meta = sender.spec(0, 1), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)   # in sync_weights' thread
-    manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(async_ratio=ratio, max_tokens=8,
-                                                                    max_total_tokens=128))
-    running = asyncio.create_task(manager.run())
-    await ctrl.wait_ready()
-    rows = []
-    for step in range(steps):
-        batch, info = await ctrl.collect()
-        adv = group_advantages(torch.tensor([s.reward for s in batch]), args.group_size).tolist()
-        m = await asyncio.to_thread(trainer.train_step, batch, adv, ctrl.version)   # rollout goes on meanwhile
-        await ctrl.sync_weights(ctrl.version + 1, send, meta, group=group)
-        rows.append({**info, **m})
-    await ctrl.finish_sync()
-    await ctrl.start_eval(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)   # the final weights
-    evaluation = await ctrl.finish_eval()
-    await ctrl.stop()
-    await running
+    manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(max_tokens=8, max_model_len=128),
+                         async_ratio=ratio)
+
+    async def train(batch, advantages, version):     # in a thread: rollout goes on meanwhile
+        return await asyncio.to_thread(trainer.train_step, batch, advantages, version), None
+
+    async def loop():
+        await ctrl.wait_ready()
+        rows = []
+        for _ in range(steps):
+            step = await rl_step(ctrl, train, send, meta, group)
+            rows.append({**step.info, **step.metrics})
+        await ctrl.finish_sync()
+        # the final weights
+        await ctrl.start_eval(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)
+        return rows, await ctrl.finish_eval()
+
+    rows, evaluation = await run_local(ctrl, [manager], loop(), timeout_s=300 * (steps + 2))
     result = {"loss": loss, "async_ratio": ratio, "seed": seed, "sample_order": order,
-              "eval_greedy": evaluation["eval_greedy"], "eval_mean_at_k": evaluation[f"eval_mean_at_{args.eval_k}"]}
+              "eval_greedy": evaluation["eval_greedy"],
+              "eval_mean_at_k": evaluation[f"eval_mean_at_{args.eval_k}"]}
     if not rows:
         return result
     last = rows[-10:]
@@ -109,14 +112,16 @@ def table(runs: list[dict]) -> str:
         return f"{statistics.fmean(xs):.3f} +- {statistics.pstdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
     keys = sorted({(r["loss"], r["async_ratio"], r["sample_order"]) for r in runs},
                   key=lambda k: (LOSSES.index(k[0]) if k[0] in LOSSES else 99, k[2] != "oldest", k[1]))
-    out = ["| loss | async ratio | order | seeds | eval mean@k | eval greedy | train reward (last 10) | staleness "
-           "mean / max | clip frac | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| loss | async ratio | order | seeds | eval mean@k | eval greedy | train reward (last 10) | "
+           "staleness mean / max | clip frac | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for loss, ratio, order in keys:
         rs = [r for r in runs if (r["loss"], r["async_ratio"], r["sample_order"]) == (loss, ratio, order)]
         out.append(f"| {loss} | {ratio} | {order} | {len(rs)} | {ms([r['eval_mean_at_k'] for r in rs])} | "
                    f"{ms([r['eval_greedy'] for r in rs])} | {ms([r['train_reward_last10'] for r in rs])} | "
-                   f"{statistics.fmean(r['staleness_mean'] for r in rs):.2f} / {max(r['staleness_max'] for r in rs)} | "
-                   f"{statistics.fmean(r['clip_frac'] for r in rs):.3f} | {statistics.fmean(r['wall_s'] for r in rs):.0f} |")
+                   f"{statistics.fmean(r['staleness_mean'] for r in rs):.2f} / "
+                   f"{max(r['staleness_max'] for r in rs)} | "
+                   f"{statistics.fmean(r['clip_frac'] for r in rs):.3f} | "
+                   f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
     return "\n".join(out)
 
 
@@ -133,7 +138,8 @@ def plot(runs: list[dict], path: Path, start: float):
             xs = [r["eval_mean_at_k"] for r in runs if (r["loss"], r["async_ratio"], r["sample_order"]) ==
                   (loss, ratio, "oldest")]
             if xs:
-                ax.bar(j + i * width, statistics.fmean(xs), width, yerr=statistics.pstdev(xs) if len(xs) > 1 else 0,
+                ax.bar(j + i * width, statistics.fmean(xs), width,
+                       yerr=statistics.pstdev(xs) if len(xs) > 1 else 0,
                        color=f"C{i}", label=loss if j == 0 else None, capsize=2)
                 ax.scatter([j + i * width] * len(xs), xs, color="k", s=6, zorder=3)
     ax.axhline(start, color="grey", ls="--", lw=1, label=f"initial policy {start:.3f}")
@@ -169,7 +175,8 @@ async def main(args):
 
     model_dir = str(tiny_model.ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    proxy = await LLMProxy.start_vllm(model_dir, rank=0, cpu_cores="1", max_num_seqs=64)   # the engine: core 1
+    # the engine: core 1
+    proxy = await LLMProxy.start_vllm(model_dir, rank=0, cpu_cores="1", max_num_seqs=64)
     os.sched_setaffinity(0, {0})                      # the trainer and the event loop: core 0
     torch.set_num_threads(1)
     initial = Trainer(model_dir, TrainConfig()).full_state()
@@ -177,30 +184,37 @@ async def main(args):
     await proxy.generate(tokenizer.encode("1+1="), Sampling(max_tokens=2))     # warm-up
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plan = [(loss, ratio, seed, "oldest") for loss in args.losses for ratio in args.ratios for seed in args.seeds]
+    plan = [(loss, ratio, seed, "oldest") for loss in args.losses for ratio in args.ratios
+            for seed in args.seeds]
     if args.order_loss:
         plan += [(args.order_loss, r, seed, "freshest") for r in args.ratios if r > 0 for seed in args.seeds]
     runs, t0 = [], time.monotonic()
     start = (await run_one("ppo", 0, 0, "oldest", args, proxy, sender, initial, model_dir, tokenizer,
                            steps=0))["eval_mean_at_k"]
-    print(f"study: the initial policy's held-out reward (mean@{args.eval_k}) is {start:.3f}; {len(plan)} runs of {args.steps} steps x {args.batch_groups}x{args.group_size} samples", flush=True)
+    print(f"study: the initial policy's held-out reward (mean@{args.eval_k}) is {start:.3f}; "
+          f"{len(plan)} runs of {args.steps} steps x {args.batch_groups}x{args.group_size} samples",
+          flush=True)
     try:
         for i, (loss, ratio, seed, order) in enumerate(plan):
-            r = await run_one(loss, ratio, seed, order, args, proxy, sender, initial, model_dir, tokenizer, args.steps)
+            r = await run_one(loss, ratio, seed, order, args, proxy, sender, initial, model_dir, tokenizer,
+                              args.steps)
             runs.append(r)
             done = time.monotonic() - t0
             print(f"  [{i + 1}/{len(plan)}] {loss:13s} ratio {ratio} seed {seed} {order:8s} | eval mean@k "
-                  f"{r['eval_mean_at_k']:.3f} greedy {r['eval_greedy']:.3f} | stale mean {r['staleness_mean']:.2f} "
-                  f"max {r['staleness_max']} | {r['wall_s']:.0f}s | eta {done / (i + 1) * (len(plan) - i - 1):.0f}s",
+                  f"{r['eval_mean_at_k']:.3f} greedy {r['eval_greedy']:.3f} | "
+                  f"stale mean {r['staleness_mean']:.2f} max {r['staleness_max']} | {r['wall_s']:.0f}s | "
+                  f"eta {done / (i + 1) * (len(plan) - i - 1):.0f}s",
                   flush=True)
     finally:
         proxy.shutdown()
-    (out / "study.json").write_text(json.dumps({"constants": vars(args), "initial": start, "runs": runs}, indent=1))
+    (out / "study.json").write_text(json.dumps({"constants": vars(args), "initial": start, "runs": runs},
+                                               indent=1))
     wall = time.monotonic() - t0
     (out / "study.md").write_text(
-        f"`python -m tools.study {' '.join(sys.argv[1:])}`: {len(runs)} runs of {args.steps} steps x {args.batch_groups}x"
-        f"{args.group_size} samples, {args.mini_batches} mini-batches, lr {args.lr}; the initial policy's held-out "
-        f"reward (mean@{args.eval_k} over {args.eval_prompts} problems) is {start:.3f}; {wall / 60:.1f} min in all.\n\n"
+        f"`python -m tools.study {' '.join(sys.argv[1:])}`: {len(runs)} runs of {args.steps} steps x "
+        f"{args.batch_groups}x{args.group_size} samples, {args.mini_batches} mini-batches, lr {args.lr}; "
+        f"the initial policy's held-out reward (mean@{args.eval_k} over {args.eval_prompts} problems) is "
+        f"{start:.3f}; {wall / 60:.1f} min in all.\n\n"
         + table(runs) + "\n")
     plot(runs, out / "study.png", start)
     print(table(runs))

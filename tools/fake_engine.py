@@ -1,35 +1,23 @@
 """fake_engine.py: FakeTimedEngine, a stand-in for vLLM for unit tests and the simulator only.
 
+    proxy = LLMProxy(FakeTimedEngine(max_num_seqs=64, kv_tokens=None), rank=0)   # as proxy.VLLMEngine
+
 It speaks the same six backend calls as proxy.VLLMEngine (stream, abort, pause, resume,
 receive_weights, score), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
 fast-forwarded event loop (looptime) an hour of decoding takes milliseconds of real time.
 
-Model of one vLLM engine with continuous batching and a paged KV cache (vLLM V1's scheduler, FCFS):
-- capacity: at most `max_num_seqs` sequences decode at once, and their KV cache must fit
-  `kv_tokens` tokens, held in blocks of `block_size` tokens (a sequence of c tokens holds
-  ceil(c / block_size) blocks). kv_tokens=None: no memory limit (the simple mode of the tests);
-- admission: a request waits (FCFS) until a seat is free and the blocks of its whole context fit;
-  admitting it prefills that context (prompt, plus the tokens it had already generated if it was
-  preempted: vLLM's recompute);
-- preemption: before each step every running sequence needs room for one more token; when the free
-  blocks run out, the most recently admitted sequence is preempted (its blocks freed, put back at the
-  head of the waiting queue, recomputed when readmitted), as vLLM does. No request is admitted in a
-  step that preempted;
-- step time = t0 + k * running + k_ctx * (context tokens of the running sequences, the KV read)
-  + k_prefill * (tokens prefilled this step); every running sequence gets one token per step;
-- a request arriving mid-step joins at the next step;
-- response length: `length_of_prompt(prompt_ids, rng)` when given (the simulator's per-prompt
-  workload), else `length_sampler(rng)` (long-tailed lognormal by default), capped at max_tokens;
-  with ignore_eos it is exactly max_tokens; `respond(prompt_ids)` may script the tokens instead
-  (environment tests);
-- the logprob of every token is -1 / (1 + number of weight loads so far), so a test can tell which
-  weights produced a token.
+What it models: one vLLM engine with continuous batching and a paged KV cache (vLLM V1's FCFS
+scheduler): at most max_num_seqs running, KV blocks of block_size within kv_tokens (None: no memory
+limit), preemption of the most recently admitted sequence by recompute, a step time linear in the
+running sequences, their context and the tokens prefilled; response lengths from length_of_prompt,
+length_sampler or a scripted respond(); logprob -1 / (1 + weight loads so far) per token.
 
-Simplifications, on purpose: no token budget per step (vLLM's max_num_batched_tokens / chunked
-prefill: a long prefill is one step here, not split over several); no prefix caching (every sample
-prefills its own prompt); preemption by recompute only (no swap). The constants' units are seconds
-and tokens of this engine; tools/sim.py derives them for an 8B model on an 80 GB GPU, and
+Simplifications, on purpose: no token budget per step (a long prefill is one step, not chunked);
+no prefix caching; preemption by recompute only (no swap). The constants' units are seconds and
+tokens of this engine: tools/sim.py derives them for an 8B model on an 80 GB GPU, and
 tools/sim_vs_real.py fits them to real vLLM CPU engines.
+
+Design notes (the model, rule by rule): DESIGN.md#fake_enginepy
 """
 
 import asyncio
@@ -66,12 +54,16 @@ class FakeTimedEngine:
                  length_sampler=None, respond=None, vocab_size: int = 64, load_s: float = 0.5,
                  seed: int = 0, kv_tokens: int | None = None, block_size: int = 16, k_ctx: float = 0.0,
                  k_prefill: float = 0.0, length_of_prompt=None):
-        self.t0, self.k = t0, k                 # s per decode step at batch 0; s per running sequence per step
-        self.k_ctx = k_ctx                      # s per context token of the running sequences per step (KV read)
-        self.k_prefill = k_prefill              # s per prefilled token (admission, recompute after preemption)
+        self.t0, self.k = t0, k                 # s per decode step at batch 0;
+                                                # s per running sequence per step
+        self.k_ctx = k_ctx                      # s per context token of the running sequences per step
+                                                # (KV read)
+        self.k_prefill = k_prefill              # s per prefilled token
+                                                # (admission, recompute after preemption)
         self.max_num_seqs = max_num_seqs        # sequences decoding at once, at most
         self.block_size = block_size            # tokens per KV block
-        self.num_blocks = None if kv_tokens is None else kv_tokens // block_size   # KV budget; None: unlimited
+        # KV budget; None: unlimited
+        self.num_blocks = None if kv_tokens is None else kv_tokens // block_size
         self.length_sampler = length_sampler or lognormal_lengths()
         self.length_of_prompt = length_of_prompt   # optional: (prompt_ids, rng) -> response length
         self.respond = respond                  # optional: prompt_ids -> list of response token ids
@@ -186,7 +178,7 @@ class FakeTimedEngine:
         return self.running.pop(eid)
 
     # --- backend calls (see proxy.VLLMEngine)
-    async def stream(self, request_id, prompt_token_ids, sampling, cache_salt=None):   # (no prefix cache here)
+    async def stream(self, request_id, prompt_token_ids, sampling, cache_salt=None):  # no prefix cache here
         if self.hang:
             await asyncio.Event().wait()        # never answers
         script = self.respond(list(prompt_token_ids)) if self.respond else None
@@ -199,7 +191,8 @@ class FakeTimedEngine:
         else:
             want = self.length_sampler(self.rng)
         target = min(want, sampling.max_tokens)
-        r = _FakeRequest(len(prompt_token_ids), target, "stop" if want <= sampling.max_tokens else "length", script)
+        r = _FakeRequest(len(prompt_token_ids), target, "stop" if want <= sampling.max_tokens else "length",
+                         script)
         self.running[request_id] = r
         self.waiting.append(request_id)
         self._ensure_loop()
