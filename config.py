@@ -25,14 +25,6 @@ def part(cls):
     return dataclasses.field(default_factory=cls, metadata={"part": True})
 
 
-def sub_config(cls, src, **overrides):
-    """An instance of dataclass `cls` from the fields of `src` with the same names, then `overrides`
-    (the simulator's flat config -> a component's). `cls` validates them (its __post_init__)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    shared = {f.name: getattr(src, f.name) for f in dataclasses.fields(src) if f.name in names}
-    return cls(**{**shared, **overrides})
-
-
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

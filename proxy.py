@@ -88,6 +88,9 @@ class Completion:
 # real engine backend: vLLM AsyncLLM
 
 
+USER_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ    # the user's own engine core binding
+
+
 def cpu_layout(cores: list[int], num_rollout: int) -> tuple[list[int], list[int]]:
     """CPU runs, one node: (host cores, engine cores). Each vLLM engine (its engine-core and worker
     processes) gets a core of its own, from the top; the ranks' own Python (trainers, controller, the
@@ -123,8 +126,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
         # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
-        # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins.
-        if cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # engine its own cores; an explicit VLLM_CPU_OMP_THREADS_BIND from the user wins (USER_OMP_BIND:
+        # read at import, so that a second engine this process starts gets its own cores, not the first's).
+        if cpu_cores and not USER_OMP_BIND:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
             os.sched_setaffinity(0, {c for part in cpu_cores.split(",") for c in

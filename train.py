@@ -25,19 +25,22 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 import quiet
+from buffer import ManagerQueues, SampleBuffer
 from config import opt, parse_cli, part
-from controller import ControllerConfig, rl_step
-from env_manager import RolloutConfig
-from envs import FaultConfig
-from runlog import RunLog, check_tracker, eval_line, print0
-from task import DataConfig
-from trainer import PROBE_TEXT, TrainConfig, collective
+from controller import AsyncController, ControllerConfig, problem_stream, rl_step
+from env_manager import EnvManager, RolloutConfig
+from envs import FaultConfig, PromptFormat
+from proxy import LLMProxy, Sampling, VLLMEngine, cpu_layout, engine_gpu
+from runlog import RunLog, check_tracker, eval_line, print0, trim_metrics
+from task import DataConfig, Problem, load_dataset
+from timeline import RankEvents
+from trainer import PROBE_TEXT, TrainConfig, Trainer, TrainerRanks, check_model_dir, check_run_dir, collective
+from weight_sync import Sender, weight_meta
 
 if __name__ == "__mp_main__":
     # This file, re-imported in a process that multiprocessing spawned from a rank: vLLM's engine core
@@ -151,23 +154,15 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
                if last.get("sync_probe_max_diff") is not None else "")
 
 
-def run_trainer(cfg: Config, rank: int, device: str, groups, model_dir: str, state, buffer_addr):
+def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: str, state, buffer_addr):
     from transformers import AutoTokenizer
-
-    from buffer import ManagerQueues, SampleBuffer
-    from controller import AsyncController, problem_stream
-    from envs import PromptFormat
-    from task import Problem
-    from trainer import Trainer, TrainerRanks
-    from weight_sync import Sender, weight_meta
-
     timeout = cfg.controller.timeout_s
-    trainer = Trainer(model_dir, cfg.train, groups.trainer if cfg.train_gpus > 1 else None, device)
+    trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device)
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ranks = TrainerRanks(trainer, cfg.train_gpus, groups.trainer, cfg.out_dir, model_dir,
+    ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir,
                          tokenizer.encode(PROBE_TEXT))
     if rank != 0:
         return ranks.follow()
@@ -185,7 +180,7 @@ def run_trainer(cfg: Config, rank: int, device: str, groups, model_dir: str, sta
     log = RunLog(cfg, state["step"] if state else 0)
     ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
     # the weight-sync group meets on the default group's store; engines receive in their own dtype
-    ranks.sender = Sender(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), store=groups.store,
+    ranks.sender = Sender(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), store=store,
                           prefix=f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                           backend="nccl" if device.startswith("cuda") else "gloo", device=device,
                           timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20)
@@ -203,12 +198,6 @@ def run_trainer(cfg: Config, rank: int, device: str, groups, model_dir: str, sta
 def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buffer_addr,
                 engine_core: str = ""):
     from transformers import AutoTokenizer
-
-    from buffer import ManagerQueues, SampleBuffer
-    from env_manager import EnvManager
-    from proxy import LLMProxy, Sampling, VLLMEngine, engine_gpu
-    from timeline import RankEvents
-
     index = rank - cfg.train_gpus                      # rollout rank index: its command queue
     who, rc, timeout = f"rollout rank {index} (global {rank})", cfg.rollout, cfg.controller.timeout_s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -252,12 +241,6 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
 # distributed init / cleanup, from torchrun's environment
 
 
-class Groups(NamedTuple):
-    trainer: object      # trainer ranks: FSDP2 (NCCL on GPU, gloo on CPU)
-    # the default group's TCPStore (MASTER_ADDR:MASTER_PORT): the weight-sync group meets on it
-    store: object
-
-
 def init_distributed(cfg: Config):
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -288,12 +271,12 @@ def init_distributed(cfg: Config):
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     engine_core = ""
     if not cuda:   # CPU: trainer rank t on host core t (one thread); rollout ranks share the host cores
-        from proxy import cpu_layout
         host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
         engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)]) if rank >= cfg.train_gpus else ""
-    return rank, world, device, engine_core, Groups(trainer_group, store.underlying_store)
+    # the default group's TCPStore: the weight-sync group meets there
+    return rank, world, device, engine_core, trainer_group, store.underlying_store
 
 
 def cleanup():
@@ -306,12 +289,10 @@ def main():
     quiet.setup(cfg.verbose)          # before vLLM or transformers load: library logs at warning level
     from buffer import die_with_parent
     die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
-    from trainer import check_model_dir, check_run_dir
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
     if cfg.model and not state:       # (a resumed run loads its own checkpoint)
         check_model_dir(cfg.model)
     if cfg.data.data:
-        from task import load_dataset
         try:
             load_dataset(cfg.data.data, cfg.data.prompt_key, cfg.data.answer_key)
         except (OSError, ValueError, ImportError) as e:
@@ -319,7 +300,7 @@ def main():
                      else f"train.py: --data {cfg.data.data}: {e}")
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
-    rank, world, device, engine_core, groups = init_distributed(cfg)
+    rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     try:
         model_dir = str(Path(cfg.out_dir) / "checkpoint") if state else cfg.model
         if not model_dir:
@@ -336,7 +317,6 @@ def main():
         rc = cfg.rollout
         if rank == 0:
             if state:
-                from runlog import trim_metrics
                 trim_metrics(cfg.out_dir, state["step"])
             else:
                 (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
@@ -349,7 +329,7 @@ def main():
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
         if rank < cfg.train_gpus:
-            run_trainer(cfg, rank, device, groups, model_dir, state, addr[0])
+            run_trainer(cfg, rank, device, trainer_group, store, model_dir, state, addr[0])
         else:
             run_rollout(cfg, rank, device, model_dir, state, addr[0], engine_core)
         collective("final barrier", dist.barrier)

@@ -67,6 +67,7 @@ Simplifications (all deliberate; each is documented at its constant):
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import math
 import random
@@ -79,7 +80,6 @@ from pathlib import Path
 import looptime
 
 from buffer import LocalQueues, SampleBuffer
-from config import sub_config
 from controller import AsyncController, ControllerConfig, rl_step, run_local
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultyEnv, LatencyEnv
@@ -88,6 +88,14 @@ from proxy import LLMProxy
 from task import Problem
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def sub_config(cls, src, **overrides):
+    """An instance of dataclass `cls` from the fields of `src` with the same names, then `overrides`
+    (SimConfig -> a component's config). `cls` validates them (its __post_init__)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    shared = {f.name: getattr(src, f.name) for f in dataclasses.fields(src) if f.name in names}
+    return cls(**{**shared, **overrides})
 
 
 @dataclass

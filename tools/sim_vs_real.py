@@ -84,6 +84,37 @@ async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
     N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> broadcast into
     both engines and load -> resume), one broadcast to both engines as in a run."""
     from tools import bench
+    from weight_sync import push
+    rows = []
+    for plen in PROMPT_LENS:
+        for n in N_SWEEP:
+            gen = bench.problems(args.seed + n + plen, args.median_len, 1.0, 124 - plen - 4)
+            lengths = [next(gen).target_len for _ in range(CAL_REQUESTS * n)]
+            ctx = plen + sum(x * x for x in lengths) / (2 * sum(lengths))   # time-weighted mean context
+            t, cpu = time.perf_counter(), time.process_time()
+            steps = await asyncio.gather(*[closed_loop(p, n, plen, lengths, vocab) for p in proxies])
+            rows += [(n, ctx, s) for s in steps]
+            if n == max(N_SWEEP):
+                front_cpu = (time.process_time() - cpu) / (time.perf_counter() - t)
+
+    async def sync():             # the engines are paused for the transfer: the fake engine's load_s
+        # models both
+        await asyncio.gather(*[p.suspend("keep") for p in proxies])
+        t = time.perf_counter()
+        await push(proxies, sender, weights, proxies[0].version)     # generation 0, as run()'s syncs
+        await asyncio.gather(*[p.resume() for p in proxies])
+        return time.perf_counter() - t
+    loads = [await sync() for _ in range(3)]
+    t0, k, k_ctx = fit(rows)
+    return {"t0": t0, "k": k, "k_ctx": k_ctx, "load_s": statistics.median(loads),
+            "front_end_cores_at_64": front_cpu,
+            "max_abs_residual_ms": 1e3 * max(abs(t0 + k * n + k_ctx * n * c - s) for n, c, s in rows)}
+
+
+async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dict:
+    """The trainer loop of train.py with training modelled as a sleep; event-loop time (real or virtual).
+    sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
+    from tools import bench
     from buffer import LocalQueues, SampleBuffer
     from controller import AsyncController, ControllerConfig, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
