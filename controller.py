@@ -238,6 +238,7 @@ class AsyncController:
             "samples_duplicate": duplicate, "prompts_rejected": self.prompts_rejected,
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
+            "turns_mean": sum(s.num_turns for s in batch) / len(batch),     # model turns per sample
         }
         self._collect_span = [wall0, time.time()]
         return batch, info

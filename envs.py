@@ -8,10 +8,11 @@ Async, so an env that waits (a sandbox, LatencyEnv's delay) yields the event loo
 keeps decoding for other trajectories (the paper's environment-level asynchronous rollout).
 
 Owns SingleTurnEnv (RLVR as the one-step case), the games GuessEnv ("guess": find 0..99 from
-"higher"/"lower" hints) and ChainEnv ("chain": a running sum, one addition per turn), the wrappers
-LatencyEnv (normal(mean, std) delay per call) and FaultyEnv (raise or hang at given rates), and
-ENVS: name -> factory(problem, seed, **kwargs) -> Env. All text uses only tiny_model.CHARS, and
-every game is deterministic given the seed.
+"higher"/"lower" hints) and ChainEnv ("chain": a running sum, one addition per turn), the tool env
+CalcEnv ("calc": the task's problem, and calc(EXPR) runs model-written Python in sandbox.py), the
+wrappers LatencyEnv (normal or lognormal delay per call) and FaultyEnv (raise or hang at given
+rates), and ENVS: name -> factory(problem, seed, **kwargs) -> Env. All text uses only
+tiny_model.CHARS, and every game is deterministic given the seed.
 
 Simplifications: the games ignore the Problem and build their state from the seed; LatencyEnv clips
 negative draws to 0 (mean=10, std=10 gives about 10.8 s); FaultyEnv also fails resets.
@@ -20,6 +21,7 @@ Design notes: DESIGN.md#envspy
 """
 
 import asyncio
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -114,19 +116,70 @@ class ChainEnv:
 
 
 # ---------------------------------------------------------------------------------------------
+# a tool environment: the default task with a calculator whose input the model writes
+
+
+CALL = re.compile(r"\s*calc\((.*)\)\s*", re.DOTALL)   # a tool call: the whole action is calc(EXPR)
+
+
+def calc_observation(value: str | None) -> str:
+    """What the model sees after a call: the value, then a cue to answer ("answer:"; a bare "=VALUE" would
+    read as the default task's finished answer, after which the warm-started model stops)."""
+    return f" ={value} answer:" if value is not None else " error, answer:"
+
+
+class CalcEnv:
+    """The problem's prompt; the model answers, or first writes calc(EXPR): EXPR (model-written Python)
+    runs in the sandbox (sandbox.py: its own process, no network, limits, a wall-clock kill) and its
+    value comes back as the next observation (calc_observation). The first action that is not a call
+    is the answer, scored by the task's verifier."""
+
+    def __init__(self, problem: task.Problem, reward_fn=None, max_calls: int = 2, limits=None):
+        from sandbox import SandboxLimits
+        self.problem, self.reward_fn, self.max_calls = problem, reward_fn, max_calls
+        self.limits = limits or SandboxLimits()
+        self.calls = 0
+
+    async def reset(self, seed: int) -> str:
+        self.calls = 0
+        return self.problem.prompt
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        call = CALL.fullmatch(action)
+        if call and self.calls < self.max_calls:
+            from sandbox import arun_python
+            self.calls += 1
+            res = await arun_python(call.group(1), self.limits, mode="eval")
+            value = res.output.strip()
+            ok = res.ok and re.fullmatch(r"-?\d{1,40}", value) is not None   # text the tiny model can read
+            info = {"tool": res.kind, "tool_s": res.wall_s}
+            return calc_observation(value if ok else None), 0.0, False, info
+        if self.reward_fn is None:
+            r = task.reward(self.problem, action)
+        else:
+            r = await self.reward_fn(self.problem, action)
+        return "", r, True, {"tool_calls": self.calls}
+
+
+# ---------------------------------------------------------------------------------------------
 # wrappers used by the experiments (env_manager's env_wrappers)
 
 
 class LatencyEnv:
-    """Adds a delay ~ normal(mean_s, std_s), clipped at 0, before every reset and step (seconds)."""
+    """Adds a delay before every reset and step (seconds): normal(mean_s, std_s) clipped at 0, or with
+    sigma > 0 a heavy-tailed lognormal of median mean_s (as sandboxes, simulators and web pages are)."""
 
-    def __init__(self, env, mean_s: float, std_s: float, rng: random.Random):
-        if mean_s < 0 or std_s < 0:
-            raise ValueError(f"LatencyEnv: mean_s and std_s must be >= 0, got {mean_s}, {std_s}")
-        self.env, self.mean_s, self.std_s, self.rng = env, mean_s, std_s, rng
+    def __init__(self, env, mean_s: float, std_s: float, rng: random.Random, sigma: float = 0.0):
+        if mean_s < 0 or std_s < 0 or sigma < 0:
+            raise ValueError(f"LatencyEnv: mean_s, std_s and sigma must be >= 0, got {mean_s}, {std_s}, "
+                             f"{sigma}")
+        self.env, self.mean_s, self.std_s, self.rng, self.sigma = env, mean_s, std_s, rng, sigma
 
     async def _delay(self):
-        await asyncio.sleep(max(0.0, self.rng.gauss(self.mean_s, self.std_s)))
+        if self.sigma:
+            await asyncio.sleep(self.mean_s * math.exp(self.sigma * self.rng.gauss(0.0, 1.0)))
+        else:
+            await asyncio.sleep(max(0.0, self.rng.gauss(self.mean_s, self.std_s)))
 
     async def reset(self, seed: int) -> str:
         await self._delay()
@@ -174,14 +227,17 @@ class FaultConfig:
     env_hang_rate: float = opt(0.0, "testing: inject env hangs, the chance an env call never returns")
     env_latency_s: float = opt(0.0, "testing: inject env latency, normal(mean=this, std=this) per call, "
                                     "seconds")
+    env_latency_sigma: float = opt(0.0, "> 0: the injected latency is lognormal instead, median "
+                                        "--env-latency-s and this sigma (heavy-tailed)")
 
     def __post_init__(self):
         if not (0 <= self.env_fail_rate and 0 <= self.env_hang_rate
                 and self.env_fail_rate + self.env_hang_rate <= 1):
             raise ValueError(f"--env-fail-rate {self.env_fail_rate} and --env-hang-rate "
                              f"{self.env_hang_rate}: need rates >= 0 that sum to <= 1")
-        if self.env_latency_s < 0:
-            raise ValueError(f"--env-latency-s must be >= 0, got {self.env_latency_s}")
+        if self.env_latency_s < 0 or self.env_latency_sigma < 0:
+            raise ValueError(f"--env-latency-s and --env-latency-sigma must be >= 0, got "
+                             f"{self.env_latency_s}, {self.env_latency_sigma}")
 
     def wrapper(self, seed: int):
         """(env) -> env wrapping every env of a rollout rank (EnvManager's env_wrappers); None: nothing
@@ -192,7 +248,7 @@ class FaultConfig:
 
         def wrap(env):
             if self.env_latency_s:
-                env = LatencyEnv(env, self.env_latency_s, self.env_latency_s, rng)
+                env = LatencyEnv(env, self.env_latency_s, self.env_latency_s, rng, self.env_latency_sigma)
             if self.env_fail_rate or self.env_hang_rate:
                 env = FaultyEnv(env, self.env_fail_rate, self.env_hang_rate, rng)
             return env
@@ -282,4 +338,5 @@ ENVS = {
     "": lambda problem, seed, reward_fn=None, **kw: SingleTurnEnv(problem, reward_fn),
     "guess": lambda problem, seed, **kw: GuessEnv(),
     "chain": lambda problem, seed, **kw: ChainEnv(),
+    "calc": lambda problem, seed, reward_fn=None, **kw: CalcEnv(problem, reward_fn),
 }

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -46,9 +47,13 @@ class TinyConfig:
     sft_batch: int = 64
     sft_lr: float = 1e-3
     digits: tuple = (1, 2, 3)     # operand digit counts of the default task
+    tool_frac: float = 0.0        # share of warm-start examples that call the calculator first (the calc env)
 
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
+# --env calc's embedded model: the same, with a longer warm start in which half the problems are solved by
+# calling the calculator (envs.CalcEnv) and copying its value, so RL can raise the tool's use from there
+CALC_DIR, CALC = DEFAULT_DIR.with_name("tiny-qwen2-calc"), TinyConfig(tool_frac=0.5, sft_steps=2000)
 
 # A chat template so the chat path (envs.PromptFormat) runs on the embedded model too. It renders a
 # conversation as the plain text the model was warm-started on: every turn is just its text, no
@@ -87,14 +92,28 @@ def build_model(cfg: TinyConfig):
     return Qwen2ForCausalLM(hf_cfg).float()
 
 
-def encode_sft_batch(tokenizer, problems: list[task.Problem]):
-    """prompt+answer+<eos>, loss only on answer tokens. Returns input_ids, labels [B, T]."""
+def sft_segments(p: task.Problem, tool: bool) -> list[tuple[str, bool]]:
+    """One warm-start transcript as (text, trained) segments, each trained one ending with <eos> (the
+    model's turns). tool: call the calculator (envs.CalcEnv's protocol), then copy its value."""
+    if not tool:
+        return [(p.prompt, False), (p.answer, True)]
+    from envs import calc_observation
+    return [(p.prompt, False), (f"calc({p.prompt.rstrip('=')})", True), (calc_observation(p.answer), False),
+            (p.answer, True)]
+
+
+def encode_sft_batch(tokenizer, transcripts: list[list[tuple[str, bool]]]):
+    """The transcripts as token ids, loss only on the model's turns (with their <eos>). Returns input_ids,
+    labels [B, T]."""
     seqs, labels = [], []
-    for p in problems:
-        prompt_ids = tokenizer.encode(p.prompt)
-        answer_ids = tokenizer.encode(p.answer) + [tokenizer.eos_token_id]
-        seqs.append(prompt_ids + answer_ids)
-        labels.append([-100] * len(prompt_ids) + answer_ids)
+    for segs in transcripts:
+        ids, lab = [], []
+        for text, trained in segs:
+            t = tokenizer.encode(text) + ([tokenizer.eos_token_id] if trained else [])
+            ids += t
+            lab += t if trained else [-100] * len(t)
+        seqs.append(ids)
+        labels.append(lab)
     width = max(len(s) for s in seqs)
     input_ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     label_ids = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
@@ -134,7 +153,10 @@ def sample_accuracy(model, tokenizer, problems: list[task.Problem], greedy: bool
 
 
 def _build_hash(cfg: TinyConfig) -> str:
-    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    d = asdict(cfg)
+    if not d["tool_frac"]:      # (added later: a build without tools keeps the hash it always had)
+        del d["tool_frac"]
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None = None,
@@ -161,6 +183,8 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     data = task.make_problems(cfg.sft_steps * cfg.sft_batch, seed=cfg.seed + 1, digits=cfg.digits)
+    rng = random.Random(cfg.seed + 3)
+    data = [sft_segments(p, cfg.tool_frac > 0 and rng.random() < cfg.tool_frac) for p in data]
     model.train()
     for step in range(cfg.sft_steps):
         lr = cfg.sft_lr * min(1.0, (step + 1) / 30)  # short warmup

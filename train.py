@@ -303,12 +303,14 @@ def main():
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     try:
         model_dir = str(Path(cfg.out_dir) / "checkpoint") if state else cfg.model
-        if not model_dir:
+        if not model_dir:     # the embedded model (--env calc: the one warm-started to call the calculator)
             import tiny_model
+            out, tiny = ((tiny_model.CALC_DIR, tiny_model.CALC) if cfg.controller.env == "calc"
+                         else (tiny_model.DEFAULT_DIR, tiny_model.TinyConfig()))
             if rank == 0:
-                tiny_model.ensure_tiny_model(log=print0)
+                tiny_model.ensure_tiny_model(out, tiny, log=print0)
             collective("waiting for rank 0 to build the tiny model", dist.barrier)
-            model_dir = str(tiny_model.DEFAULT_DIR)
+            model_dir = str(out)
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
         custom_reward = bool(cfg.data.data or cfg.data.task or cfg.rollout.reward)
