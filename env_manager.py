@@ -5,7 +5,8 @@
 
 Two parts, one job each:
 - run_trajectory(proxy, new_env, tokenizer, cfg, task) -> Sample: the paper's environment-level loop
-  for one sample (reset, generate, step, reward, retries). Knows nothing of slots or commands.
+  for one sample (reset, generate, step, reward, retries). Knows nothing of slots or commands. Each
+  env call is bounded by an EnvDeadline: a few times the recent calls' latency quantile, not a fixed one.
 - EnvManager: slot scheduling and the controller's commands. Every `poll_s` (or at once when a slot
   frees) it sends the samples that finished, handles this rank's commands (SYNC, ABORT_GROUPS, SLEEP,
   STOP) and pulls RolloutTasks into its free slots, at most one task of a group per poll period when
@@ -35,7 +36,8 @@ class RolloutConfig:
     """A rollout rank's settings: its engine's and its env manager's. 0 / -1 / "auto" = from the model, the
     task or the device: resolved() fills them in before an EnvManager starts."""
     max_concurrency: int = opt(64, "trajectories in flight per rollout rank (also the engine's batch size)")
-    max_tokens: int = opt(0, "response tokens per model turn; 0 = 8 for the embedded model, else 1024")
+    max_tokens: int = opt(0, "response tokens per model turn; 0 = 8 for the embedded model (16 with --env "
+                                 "calc), else 1024")
     max_model_len: int = opt(0, "engine context = the cap on prompt + whole trajectory, tokens; 0 = the "
                                 "model's own")
     max_turns: int = opt(8, "multi-turn: model turns per trajectory, at most")
@@ -44,7 +46,16 @@ class RolloutConfig:
                                     "has one")
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
     env_step_timeout_s: float = opt(30.0, "an env reset/step (or reward) slower than this fails the "
-                                          "trajectory")
+                                          "trajectory, seconds; with the adaptive deadline on "
+                                          "(--env-timeout-factor > 0): its ceiling")
+    # the adaptive env deadline (EnvDeadline): clamp(quantile(recent latencies) * factor, floor, ceiling)
+    env_timeout_quantile: float = opt(0.99, "adaptive env deadline: this quantile of the recent env calls' "
+                                            "latencies, times --env-timeout-factor")
+    env_timeout_factor: float = opt(3.0, "adaptive env deadline: the recent latency quantile times this, "
+                                         "within [--env-timeout-floor-s, --env-step-timeout-s]; 0 = off: "
+                                         "every env call gets --env-step-timeout-s")
+    # 5 s: with 1 s, a 40-step --env calc run on 2 busy cores cut 104 of ~5,000 sandbox calls (then retried)
+    env_timeout_floor_s: float = opt(5.0, "adaptive env deadline: never under this, seconds")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
     reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the "
                           "task's")
@@ -70,10 +81,14 @@ class RolloutConfig:
                 raise bad(name, ">= 0 (0 = from the model)" if name.startswith("max_") else ">= 0")
         if self.reward_workers < -1:
             raise bad("reward_workers", ">= -1 (-1 = auto)")
-        for name in ("temperature", "env_step_timeout_s", "poll_s", "stop_timeout_s", "reward_timeout_s",
-                     "kv_cache_gib"):
+        for name in ("temperature", "env_step_timeout_s", "env_timeout_floor_s", "poll_s", "stop_timeout_s",
+                     "reward_timeout_s", "kv_cache_gib"):
             if getattr(self, name) <= 0:
                 raise bad(name, "> 0")
+        if not 0 < self.env_timeout_quantile <= 1:
+            raise bad("env_timeout_quantile", "in (0, 1]")
+        if self.env_timeout_factor < 0:
+            raise bad("env_timeout_factor", ">= 0 (0 = a fixed env_step_timeout_s)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.suspend_mode not in ("keep", "abort"):
@@ -81,14 +96,16 @@ class RolloutConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise bad("dtype", "auto, float32, bfloat16 or float16")
 
-    def resolved(self, model_dir: str, device: str, embedded: bool, custom_reward: bool) -> "RolloutConfig":
+    def resolved(self, model_dir: str, device: str, embedded: bool, custom_reward: bool,
+                 env: str = "") -> "RolloutConfig":
         """The settings that default to the model's (context), the task's (reply length, reward workers)
         and the device's (dtype)."""
         from transformers import AutoConfig
         return dataclasses.replace(
             self,
             max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
-            max_tokens=self.max_tokens or (8 if embedded else 1024),
+            # the embedded model's answers are a few characters; its calc(123+456) call is 13 and an <eos>
+            max_tokens=self.max_tokens or ((16 if env == "calc" else 8) if embedded else 1024),
             dtype=(self.dtype if self.dtype != "auto"
                    else ("bfloat16" if device.startswith("cuda") else "float32")),
             reward_workers=self.reward_workers if self.reward_workers >= 0 else (1 if custom_reward else 0))
@@ -116,6 +133,49 @@ class EnvFailure(Exception):
 class Aborted(Exception):
     """The engine request was aborted by someone else (the manager's own aborts cancel the task
     first): the trajectory ends quietly, no sample."""
+
+
+# Completed calls of a kind an EnvDeadline needs before it adapts; until then every call of that
+# kind gets the ceiling. The 0.99-quantile of fewer than 100 calls is just their max, and the first
+# calls to complete are the fastest of those that started together (the slow ones still run): with
+# 20, the sim's envasync (latency normal(10, 10) s) cut steps at 29 s that 1 call in 44 outlasts.
+MIN_SAMPLES = 100
+WINDOW = 256            # the latest calls of a kind it remembers: the deadline follows a drift
+
+
+class EnvDeadline:
+    """How long the next env call may take, seconds: clamp(quantile(latencies) * factor, floor_s,
+    ceiling_s) over the last WINDOW calls of its kind (reset or step: an env's reset is often
+    instant and its step a tool or the verifier, so each kind has its own); ceiling_s before
+    MIN_SAMPLES of them, or always when factor is 0 (fixed: the default). One per EnvManager, shared
+    by its trajectories: a slow tail is cut at a few times what such calls take now, not at a fixed
+    worst case, so a stuck call fails (and is retried) soon.
+    A timed-out call is recorded as taking its limit (censored: it took at least that). As long as
+    fewer than 1 - quantile of the calls time out, that never moves the quantile: hung calls do not
+    ratchet the deadline up. When more do, the deadline evidently cuts a kind of call that is slow,
+    not stuck (a slow verifier among instant steps, an env that got slower): it grows by `factor`
+    a round, up to the ceiling. Without this it could cut such calls forever (none of them would
+    ever complete and be recorded), and so the deadline never cuts more than ~1 - quantile of calls."""
+
+    KINDS = ("reset", "step")
+
+    def __init__(self, ceiling_s: float, quantile: float = 1.0, factor: float = 0.0, floor_s: float = 0.0):
+        self.ceiling_s, self.quantile, self.factor, self.floor_s = ceiling_s, quantile, factor, floor_s
+        self.latencies = {k: collections.deque(maxlen=WINDOW) for k in self.KINDS}   # seconds
+        self.current_s = {k: ceiling_s for k in self.KINDS}   # the deadline now, recomputed per record
+
+    @classmethod
+    def of(cls, cfg: RolloutConfig) -> "EnvDeadline":
+        return cls(cfg.env_step_timeout_s, cfg.env_timeout_quantile, cfg.env_timeout_factor,
+                   cfg.env_timeout_floor_s)
+
+    def record(self, kind: str, latency_s: float):
+        """A call of `kind` ended after latency_s seconds: it completed, or timed out at that limit."""
+        xs = self.latencies[kind]
+        xs.append(latency_s)
+        if self.factor > 0 and len(xs) >= MIN_SAMPLES:
+            q = sorted(xs)[max(0, math.ceil(self.quantile * len(xs)) - 1)]     # nearest-rank quantile
+            self.current_s[kind] = min(self.ceiling_s, max(self.floor_s, q * self.factor))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,18 +214,21 @@ class Trajectory:
 
 
 async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask,
-                         index: int = 0, *, on_attempt=None, on_failure=None) -> Sample | None:
+                         index: int = 0, *, on_attempt=None, on_failure=None,
+                         deadline: EnvDeadline | None = None) -> Sample | None:
     """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
     and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
     (meta["retrying"] says whether another attempt follows). Returns the Sample, or None when the
-    last attempt failed too. `on_attempt(index, traj)` sees each attempt's live Trajectory."""
+    last attempt failed too. `on_attempt(index, traj)` sees each attempt's live Trajectory. Env
+    calls are bounded by `deadline` (the manager's, shared), default a fixed cfg.env_step_timeout_s."""
+    deadline = deadline or EnvDeadline(cfg.env_step_timeout_s)
     for attempt in range(cfg.max_retries + 1):
         traj = Trajectory(start_version=proxy.version)
         if on_attempt is not None:
             on_attempt(index, traj)
         try:
             return await rollout_once(proxy, new_env(), fmt, cfg, task, traj, tag=f"{index}-a{attempt}",
-                                      meta={"attempt": attempt, "sample_index": index})
+                                      meta={"attempt": attempt, "sample_index": index}, deadline=deadline)
         except EnvFailure as e:
             if on_failure is not None:
                 await on_failure(Sample(
@@ -178,20 +241,28 @@ async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, 
 
 
 async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
-                       tag: str = "0", meta: dict | None = None) -> Sample:
+                       tag: str = "0", meta: dict | None = None,
+                       deadline: EnvDeadline | None = None) -> Sample:
     """reset -> (generate -> step)* -> Sample, filling `traj` as it goes. Raises EnvFailure when an
-    env call raises or times out, Aborted when someone else aborted the engine request."""
+    env call raises or outlives `deadline` (default: a fixed cfg.env_step_timeout_s), Aborted when
+    someone else aborted the engine request."""
     where = f"rollout rank {proxy.rank}: env {task.env or 'single-turn'!r}"
+    deadline = deadline or EnvDeadline(cfg.env_step_timeout_s)
 
     async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
+        kind = phase.split()[0]                      # "reset" or "step"
+        limit_s, t0 = deadline.current_s[kind], now()    # (event-loop time: virtual in tests and the sim)
         try:
-            async with asyncio.timeout(cfg.env_step_timeout_s):   # no extra task, unlike wait_for
-                return await coro
+            async with asyncio.timeout(limit_s):     # no extra task, unlike wait_for
+                out = await coro
         except TimeoutError:
+            deadline.record(kind, limit_s)           # (at least limit_s: see EnvDeadline)
             raise EnvFailure(f"{where} {phase} (task {task.task_id}) took longer than "
-                             f"{cfg.env_step_timeout_s:g}s", timeout=True) from None
+                             f"{round(limit_s, 3):g}s", timeout=True) from None
         except Exception as e:    # CancelledError is not an Exception: aborts pass through
             raise EnvFailure(f"{where} {phase} (task {task.task_id}) raised {e!r}") from e
+        deadline.record(kind, now() - t0)            # (a call that raised says nothing of the latency)
+        return out
 
     obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
     traj.prompt_ids = fmt.first(obs)
@@ -262,6 +333,7 @@ class EnvManager:
         self.min_gen = 0                        # the oldest this engine may join (a replaced one: newer)
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
+        self.deadline = EnvDeadline.of(cfg)      # every env call's, adapting to their latencies
         self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s)
                      if cfg.reward_workers > 0 else None)
         self.reward_fn = (self.pool.score if self.pool
@@ -279,7 +351,9 @@ class EnvManager:
                              engine_restarts=0, samples_lost_to_engine=0)
 
     def stats(self) -> dict:
-        return {**self.counters, "in_flight": self.slots_used, "proxy": self.proxy.stats()}
+        return {**self.counters, "in_flight": self.slots_used,
+                "env_deadline_s": dict(self.deadline.current_s),    # {"reset": s, "step": s}, seconds
+                "proxy": self.proxy.stats()}
 
     # --- control loop
 
@@ -520,7 +594,8 @@ class EnvManager:
 
         def one(i):
             return run_trajectory(self.proxy, lambda: self._make_env(t), self.fmt, self.cfg, t, i,
-                                  on_attempt=live.__setitem__, on_failure=self._report_failure)
+                                  on_attempt=live.__setitem__, on_failure=self._report_failure,
+                                  deadline=self.deadline)
         if t.num_samples == 1:     # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
         else:

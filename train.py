@@ -315,7 +315,7 @@ def main():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
         custom_reward = bool(cfg.data.data or cfg.data.task or cfg.rollout.reward)
         cfg = dataclasses.replace(cfg, rollout=cfg.rollout.resolved(model_dir, device, not cfg.model,
-                                                                    custom_reward))
+                                                                    custom_reward, cfg.controller.env))
         rc = cfg.rollout
         if rank == 0:
             if state:

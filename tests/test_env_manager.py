@@ -10,7 +10,7 @@ import random
 import pytest
 
 from buffer import Ack, Cmd, Command, GroupAssembler, LocalQueues, Phase, RolloutTask, Sample, SampleBuffer
-from env_manager import EnvManager, RolloutConfig, env_seed
+from env_manager import MIN_SAMPLES, WINDOW, EnvDeadline, EnvManager, RolloutConfig, env_seed
 from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
 from tools.fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy, Status
@@ -309,6 +309,133 @@ def test_env_failing_every_time_gives_up_after_max_retries(tok):
     assert (stats["samples_failed"], stats["retries"], stats["env_timeouts"]) == (3, 2, 0)
 
 
+# ---------------------------------------------------------------------------------------------
+# the adaptive env deadline
+
+
+def test_env_deadline_quantile_times_factor_within_floor_and_ceiling():
+    d = EnvDeadline(30.0, quantile=0.9, factor=3.0, floor_s=1.0)
+    for i in range(MIN_SAMPLES - 1):                          # too few: the ceiling
+        d.record("step", 0.5)
+    assert d.current_s == {"reset": 30.0, "step": 30.0}
+    d.record("step", 0.5)
+    assert d.current_s == {"reset": 30.0, "step": 1.5}      # 0.5 x 3; resets have a window of their own
+    for _ in range(WINDOW):                                    # the window forgets: only the latest count
+        d.record("step", 0.1)
+    assert d.current_s["step"] == 1.0                          # 0.3: the floor
+    for _ in range(WINDOW):
+        d.record("step", 20.0)
+    assert d.current_s["step"] == 30.0                         # 60: the ceiling
+    q = EnvDeadline(30.0, quantile=0.9, factor=3.0, floor_s=1.0)
+    for x in range(1, 201):                                    # 0.01 .. 2.00 s: the 0.9-quantile is 1.8
+        q.record("step", x / 100)
+    assert q.current_s["step"] == pytest.approx(5.4)
+    fixed = EnvDeadline(30.0, quantile=0.9, factor=0.0, floor_s=1.0)    # factor 0: off
+    for _ in range(2 * MIN_SAMPLES):
+        fixed.record("step", 0.1)
+    assert fixed.current_s["step"] == 30.0
+    assert EnvDeadline.of(rcfg()).current_s == {"reset": 30.0, "step": 30.0}
+
+
+def test_env_deadline_timeouts_move_it_only_when_more_than_one_minus_q_of_calls_time_out():
+    """Timed-out calls are recorded at their limit: a few (< 1 - q of the window) never raise the deadline,
+    so hung calls are cut at the same deadline; many mean a kind of call is slow, not stuck, and the
+    deadline grows by `factor` a round instead of cutting all of them forever."""
+    d = EnvDeadline(30.0, quantile=0.99, factor=3.0, floor_s=0.01)
+    for _ in range(200):
+        d.record("step", 0.1)
+    assert d.current_s["step"] == pytest.approx(0.3)
+    for _ in range(2):                                         # 2 of 202 calls: under 1%
+        d.record("step", d.current_s["step"])
+    assert d.current_s["step"] == pytest.approx(0.3)
+    for _ in range(2):                                         # 4 of 204: over 1%
+        d.record("step", d.current_s["step"])
+    assert d.current_s["step"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("factor, cut_at", [(3.0, 1.0), (0.0, 30.0)])
+def test_hung_env_is_cut_at_the_adaptive_deadline_not_the_ceiling(tok, factor, cut_at):
+    """Envs whose calls take ~0.1 s, then three whose reset hangs forever: with the adaptive deadline
+    (0.99-quantile ~0.15 s x 3 < the 1 s floor) each hang fails after 1 s, not the 30 s ceiling, is counted
+    as an env timeout and retried with a fresh env; with env_timeout_factor 0 it takes the full 30 s.
+    Three timeouts in 113 resets are more than 1%: afterwards the reset deadline is one round (x3) up."""
+    rng = random.Random(0)
+    hung = set()
+
+    def wrap(env):
+        env = LatencyEnv(env, 0.1, 0.02, rng)
+        if env.env.problem.prompt == "3+4=" and id(env.env.problem) not in hung:   # its first env only
+            hung.add(id(env.env.problem))
+            return FaultyEnv(env, 0.0, 1.0, rng)
+        return env
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(env_timeout_factor=factor, env_timeout_floor_s=1.0),
+                         env_wrappers=wrap,
+                         length_sampler=lambda rng: 2)
+        before = m.stats()["env_deadline_s"]
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task(f"ok{i}", f"g{i}") for i in range(MIN_SAMPLES + 10)])
+        await collect(buf, MIN_SAMPLES + 10)
+        t0 = now()
+        await buf.put_tasks([add_task(f"hang{i}", f"h{i}", prompt="3+4=", answer="7") for i in range(3)])
+        got = await collect(buf, 6)
+        [stats] = await stop_all(buf, [m], [run])
+        return before, t0, got, stats
+    before, t0, got, stats = run_virtual(main())
+    assert before == {"reset": 30.0, "step": 30.0}
+    failed = [(t, s) for t, s in got if s.failed]
+    assert len(failed) == 3 and all(s.meta["timeout"] and s.meta["retrying"] for _, s in failed)
+    assert all(t - t0 == pytest.approx(cut_at, abs=0.05) for t, _ in failed)
+    assert all(f"{cut_at:g}s" in s.meta["error"] and "reset" in s.meta["error"] for _, s in failed)
+    assert sorted(s.task_id for _, s in got if not s.failed) == ["hang0", "hang1", "hang2"]   # retried
+    assert (stats["env_timeouts"], stats["retries"], stats["samples_failed"]) == (3, 3, 3)
+    assert stats["env_deadline_s"] == ({"reset": 3.0, "step": 1.0} if factor else before)
+
+
+def test_adaptive_deadline_follows_an_env_that_gets_slower(tok):
+    """Steps take ~0.1 s, then every step takes 5 s (a slow verifier, a loaded sandbox): the first are cut
+    at the 1 s floor, but as more than 1% of steps time out the deadline grows (x3 a round) until 5 s
+    steps complete: every trajectory ends with a sample, the deadline above 5 s."""
+    rng = random.Random(0)
+    slow = []
+
+    class Slow:
+        def __init__(self, env):
+            self.env = env
+
+        async def reset(self, seed):
+            return await self.env.reset(seed)
+
+        async def step(self, action):
+            await asyncio.sleep(5.0 if slow else 0.1)
+            return await self.env.step(action)
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=16, max_retries=3, env_timeout_floor_s=1.0),
+                         length_sampler=lambda rng: 2,
+                         env_wrappers=lambda env: Slow(LatencyEnv(env, 0.01, 0.0, rng)))
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task(f"fast{i}", f"f{i}") for i in range(MIN_SAMPLES + 10)])
+        await collect(buf, MIN_SAMPLES + 10)
+        fast_deadline = m.stats()["env_deadline_s"]["step"]
+        slow.append(True)
+        await buf.put_tasks([add_task(f"slow{i}", f"s{i}") for i in range(32)])
+        samples, ok = [], set()
+        while len(ok) < 32:
+            [(_, s)] = await collect(buf, 1)
+            samples.append(s)
+            ok |= {s.task_id} if not s.failed else set()
+        [stats] = await stop_all(buf, [m], [run])
+        return fast_deadline, samples, stats
+    fast_deadline, samples, stats = run_virtual(main())
+    assert fast_deadline == 1.0
+    assert not any(s.failed and not s.meta["retrying"] for s in samples)    # none given up
+    assert 0 < stats["env_timeouts"] <= 2 * 32 and stats["env_deadline_s"]["step"] > 5.0
+
+
 def test_engine_failure_stops_run_naming_rank(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
@@ -578,9 +705,12 @@ def test_faulty_env_rates():
 
 def test_config_validates():
     for field, bad in [("max_concurrency", 0), ("reward_workers", -2), ("env_step_timeout_s", 0),
-                       ("max_tokens", -1)]:
+                       ("max_tokens", -1), ("env_timeout_quantile", 0), ("env_timeout_quantile", 1.5),
+                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0)]:
         with pytest.raises(ValueError, match=field):
             RolloutConfig(**{field: bad})
+    with pytest.raises(ValueError, match=r"--env-timeout-quantile .*must be in \(0, 1\]"):
+        RolloutConfig(env_timeout_quantile=2.0)
 
 
 def test_reward_workers_process_pool(tok):

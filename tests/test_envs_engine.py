@@ -2,19 +2,25 @@
 
 Every trajectory is replayed against a fresh env: its observation tokens must be exactly what the
 env said (mask 0, logprob 0), its reward what the env gave, and the behaviour logprob of every
-action token must equal a transformers forward pass over prompt + response within 1e-4."""
+action token must equal a transformers forward pass over prompt + response within 1e-4.
+
+Token in, token out: every engine call and every observation's ids are recorded as they happen, and
+the trained sample (and the trainer's collated batch) must be exactly those ids, no re-tokenisation."""
 
 import asyncio
+import contextlib
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from buffer import Cmd, Command, LocalQueues, RolloutTask, SampleBuffer
+from conftest import LoopThread
 from env_manager import EnvManager, RolloutConfig, env_seed
-from envs import ENVS
-from task import Problem
-from trainer import token_logprobs
+from envs import CALL, ENVS
+from task import Problem, make_problems
+from trainer import collate, token_logprobs
 
 pytestmark = pytest.mark.engine
 TOL = 1e-4
@@ -43,23 +49,29 @@ async def replay(env, seed, tok, s):
     return obs, total
 
 
+def run_tasks(lt, proxy, tok, cfg, tasks, recorder=None):
+    """Run `tasks` through an EnvManager over `proxy` until each has sent its sample (recording its
+    engine calls and observations into `recorder`, if given). Returns (samples, the manager's stats)."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "engine test", timeout_s=120)
+        mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
+        with recorder.attach(proxy, mgr.fmt) if recorder else contextlib.nullcontext():
+            for t in tasks:
+                await buf.put_tasks([t])
+            run = asyncio.create_task(mgr.run())
+            samples = [await buf.get_sample() for _ in tasks]
+            await buf.send_command(0, Command(Cmd.STOP))
+            return samples, await asyncio.wait_for(run, 60)
+    return lt.run(main(), timeout=300)
+
+
 def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
     lt, proxy = vllm_proxy
     model, tok = hf
     cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
     tasks = [RolloutTask(f"{env}{i}", f"{env}-group{i}", Problem("", ""), env=env)
              for env in ("chain", "guess") for i in range(3)]
-
-    async def main():
-        buf = SampleBuffer(LocalQueues(1), "engine test", timeout_s=120)
-        mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
-        for t in tasks:
-            await buf.put_tasks([t])
-        run = asyncio.create_task(mgr.run())
-        samples = [await buf.get_sample() for _ in tasks]
-        await buf.send_command(0, Command(Cmd.STOP))
-        return samples, await asyncio.wait_for(run, 60)
-    samples, stats = lt.run(main(), timeout=300)
+    samples, stats = run_tasks(lt, proxy, tok, cfg, tasks)
 
     assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0 and stats["in_flight"] == 0
     assert any(s.num_turns > 1 for s in samples)
@@ -84,3 +96,186 @@ def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
             ref = token_logprobs(model, ids, torch.ones_like(ids))[0, len(s.prompt_ids):].tolist()
         diffs = [abs(a - b) for a, b, m in zip(s.logprobs, ref, s.loss_mask) if m == 1]
         assert max(diffs) < TOL, (s.task_id, max(diffs))
+
+
+# ---------------------------------------------------------------------------------------------
+# token in, token out: the trained ids are the engine's ids and the observations' ids
+
+
+@dataclass
+class Call:
+    """One engine call as the proxy saw it, copied when it returned."""
+    prompt_ids: list[int]         # the ids the engine was given
+    token_ids: list[int]          # the ids it generated
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class Obs:
+    """One PromptFormat.next call: the env's text, the last token it was given, the ids it returned."""
+    text: str
+    last_token: int | None
+    ids: list[int]
+
+
+class Recorder:
+    """Records every engine call (LLMProxy.generate) and every observation's ids (PromptFormat.next)
+    of an EnvManager's trajectories, keyed by the engine request id env_manager gives a turn,
+    r{rank}-{task}-{index}-a{attempt}-t{turn}. The observation after turn t is filed under turn t's
+    request: the latest engine call of the same asyncio task (one task runs one trajectory)."""
+
+    def __init__(self):
+        self.calls: dict[str, Call] = {}
+        self.obs: dict[str, Obs] = {}
+        self.latest: dict[asyncio.Task, str] = {}      # asyncio task -> its latest engine request id
+
+    @contextlib.contextmanager
+    def attach(self, proxy, fmt):
+        """Wrap proxy.generate and fmt.next on these instances; restore them on exit."""
+        generate, fmt_next = proxy.generate, fmt.next
+
+        async def recorded_generate(prompt_token_ids, sampling, request_id=None):
+            assert request_id is not None, "env_manager names every request"
+            prompt = list(prompt_token_ids)
+            self.latest[asyncio.current_task()] = request_id
+            c = await generate(prompt_token_ids, sampling, request_id=request_id)
+            self.calls[request_id] = Call(prompt, list(c.token_ids), list(c.logprobs), list(c.versions),
+                                          c.finish_reason)
+            return c
+
+        def recorded_next(text, last_token):
+            ids = fmt_next(text, last_token)
+            self.obs[self.latest[asyncio.current_task()]] = Obs(text, last_token, list(ids))
+            return ids
+
+        proxy.generate, fmt.next = recorded_generate, recorded_next
+        try:
+            yield self
+        finally:
+            del proxy.generate, fmt.next            # the class's methods again
+
+    def trajectory(self, s) -> tuple[list[Call], list[Obs | None]]:
+        """The sample's engine calls in turn order, and the observation recorded after each (None: none)."""
+        prefix = f"r{s.rank}-{s.task_id}-{s.meta['sample_index']}-a{s.meta['attempt']}-t"
+        rids = sorted((r for r in self.calls if r.startswith(prefix)), key=lambda r: int(r[len(prefix):]))
+        assert rids == [f"{prefix}{t}" for t in range(len(rids))], rids
+        return [self.calls[r] for r in rids], [self.obs.get(r) for r in rids]
+
+
+def check_tokens_in_tokens_out(s, calls: list[Call], obs: list[Obs | None]):
+    """The sample is exactly the recorded engine outputs and observation ids, interleaved; the engine
+    saw exactly what is trained on; loss mask, logprobs and versions are the engine's on its tokens."""
+    assert not s.failed and len(calls) == s.num_turns >= 1
+    assert calls[0].prompt_ids == s.prompt_ids                # the prompt trained on is the one sampled from
+    ids, mask, logprobs, versions = [], [], [], []
+    for t, c in enumerate(calls):
+        # the engine's input for turn t is exactly prompt + the response trained on, up to here
+        assert c.prompt_ids == s.prompt_ids + s.response_ids[:len(ids)], (s.task_id, t)
+        assert c.prompt_ids == s.prompt_ids + ids, (s.task_id, t)
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+        ids += c.token_ids
+        mask += [1] * len(c.token_ids)
+        logprobs += c.logprobs
+        versions += c.versions
+        if t < len(calls) - 1:                                # an observation came between turns t and t+1
+            o = obs[t]
+            assert o is not None and len(o.ids) > 0, (s.task_id, t)
+            assert o.last_token == (c.token_ids[-1] if c.finish_reason == "stop" else None)
+            ids += o.ids
+            mask += [0] * len(o.ids)
+            logprobs += [0.0] * len(o.ids)
+    assert s.response_ids == ids, s.task_id                   # ids, not text: nothing re-tokenised
+    assert s.loss_mask == mask, s.task_id                     # 1 on the engine's tokens only
+    assert s.logprobs == logprobs, s.task_id                  # the engine's, bit for bit; 0.0 elsewhere
+    assert s.versions == versions, s.task_id
+
+
+def check_collate(s, calls: list[Call]):
+    """trainer.collate([s]): input ids = prompt + response; the loss mask is 1 exactly on the columns
+    of the engine's tokens (column p: the token at position p, scored given the tokens before it, as
+    token_logprobs does), where old_logp holds the engine's logprobs (float32), and 0 elsewhere."""
+    t = collate([s], "cpu")
+    assert set(t) == {"input_ids", "attn", "old_logp", "mask"}
+    n = s.num_tokens
+    assert t["input_ids"].shape == t["mask"].shape == t["old_logp"].shape == t["attn"].shape == (1, n)
+    assert t["input_ids"][0].tolist() == s.prompt_ids + s.response_ids
+    assert t["attn"][0].tolist() == [1] * n
+    # the absolute positions of the engine's tokens: a turn's tokens follow the ids it was given
+    cols = [p for c in calls for p in range(len(c.prompt_ids), len(c.prompt_ids) + len(c.token_ids))]
+    assert cols[-1] == n - 1
+    assert torch.nonzero(t["mask"][0]).flatten().tolist() == cols
+    assert t["input_ids"][0, cols].tolist() == [i for c in calls for i in c.token_ids]
+    want = torch.zeros(n)
+    want[cols] = torch.tensor([lp for c in calls for lp in c.logprobs], dtype=torch.float32)
+    assert torch.equal(t["old_logp"][0], want)
+
+
+def failures(samples) -> list[str]:
+    return [f"{s.task_id}: {s.meta.get('error')}" for s in samples if s.failed]
+
+
+def check_trajectories(rec: Recorder, samples) -> int:
+    """Both checks on every sample; returns how many observations were spliced in, in all."""
+    for s in samples:
+        calls, obs = rec.trajectory(s)
+        check_tokens_in_tokens_out(s, calls, obs)
+        check_collate(s, calls)
+    return sum(s.num_turns - 1 for s in samples)
+
+
+def test_tokens_in_tokens_out(vllm_proxy, hf):
+    """For chain, guess and calc trajectories on the real engine, the ids trained on are exactly the
+    ids the engine generated and the ids PromptFormat made of each observation, interleaved; each
+    turn's engine input is exactly prompt + response so far; the loss mask is 1 on the engine's tokens
+    only, with the engine's logprobs there and 0.0 elsewhere; trainer.collate keeps all of it."""
+    lt, proxy = vllm_proxy
+    _, tok = hf
+    cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
+    problems = make_problems(3, seed=7)
+    tasks = [RolloutTask(f"{env}{i}", f"{env}-group{i}", problems[i] if env == "calc" else Problem("", ""),
+                         env=env) for env in ("chain", "guess", "calc") for i in range(3)]
+    rec = Recorder()
+    samples, stats = run_tasks(lt, proxy, tok, cfg, tasks, rec)
+    assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0, failures(samples)
+    assert proxy.generate.__func__ is type(proxy).generate        # the recorder let go of the proxy
+    assert check_trajectories(rec, samples) > 0                   # some observations were spliced in
+    assert any(s.num_turns > 1 for s in samples if s.task_id.startswith("chain"))
+    assert any(s.num_turns > 1 for s in samples if s.task_id.startswith("guess"))
+
+
+@pytest.fixture(scope="module")
+def calc_proxy():
+    """(LoopThread, LLMProxy, tokenizer) over a real vLLM CPU engine with the embedded calc model (the
+    tiny model warm-started so that part of its first actions are calc(...) calls; built once, cached)."""
+    import tiny_model
+    from proxy import LLMProxy
+    from transformers import PreTrainedTokenizerFast
+    model_dir = tiny_model.ensure_tiny_model(tiny_model.CALC_DIR, tiny_model.CALC)
+    lt = LoopThread()
+    proxy = lt.run(LLMProxy.start_vllm(str(model_dir), rank=0, timeout_s=120))
+    yield lt, proxy, PreTrainedTokenizerFast.from_pretrained(model_dir)
+    proxy.shutdown()
+    lt.close()
+
+
+def test_tokens_in_tokens_out_calc_tool_calls(calc_proxy):
+    """The same on calc trajectories whose model does call the calculator: some turn is a tool call, and
+    the calculator's answer (as PromptFormat tokenised it) sits between two engine turns, mask 0."""
+    lt, proxy, tok = calc_proxy
+    # a call is calc(EXPR) and its EOS: "calc(123+456)" is 13 tokens of the character tokenizer. A fixed
+    # env deadline: the adaptive one learns from the (instant) resets and would cut a sandbox call that a
+    # loaded machine slows past its 1 s floor; this test is about tokens, not deadlines
+    cfg = RolloutConfig(max_tokens=16, max_turns=3, max_model_len=128, env_timeout_factor=0.0)
+    tasks = [RolloutTask(f"calc{i}", f"calc-group{i}", p, env="calc")
+             for i, p in enumerate(make_problems(24, seed=11))]
+    rec = Recorder()
+    samples, stats = run_tasks(lt, proxy, tok, cfg, tasks, rec)
+    assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0, failures(samples)
+    assert check_trajectories(rec, samples) > 0
+    tool = [s for s in samples if s.num_turns > 1]
+    assert tool, "no calc trajectory called the calculator"
+    for s in tool:                         # every turn but the last was a tool call (the env ran it)
+        calls, _ = rec.trajectory(s)
+        assert all(CALL.fullmatch(tok.decode(c.token_ids, skip_special_tokens=True)) for c in calls[:-1])
