@@ -265,8 +265,7 @@ def test_tokens_in_tokens_out_calc_tool_calls(calc_proxy):
     the calculator's answer (as PromptFormat tokenised it) sits between two engine turns, mask 0."""
     lt, proxy, tok = calc_proxy
     # a call is calc(EXPR) and its EOS: "calc(123+456)" is 13 tokens of the character tokenizer. A fixed
-    # env deadline: the adaptive one learns from the (instant) resets and would cut a sandbox call that a
-    # loaded machine slows past its 1 s floor; this test is about tokens, not deadlines
+    # env deadline: this test is about tokens, not deadlines (a loaded machine can slow a sandbox call)
     cfg = RolloutConfig(max_tokens=16, max_turns=3, max_model_len=128, env_timeout_factor=0.0)
     tasks = [RolloutTask(f"calc{i}", f"calc-group{i}", p, env="calc")
              for i, p in enumerate(make_problems(24, seed=11))]
