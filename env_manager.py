@@ -54,7 +54,7 @@ class RolloutConfig:
     env_timeout_factor: float = opt(3.0, "adaptive env deadline: the recent latency quantile times this, "
                                          "within [--env-timeout-floor-s, --env-step-timeout-s]; 0 = off: "
                                          "every env call gets --env-step-timeout-s")
-    # 5 s: with 1 s, a 40-step --env calc run on 2 busy cores cut 104 of ~5,000 sandbox calls (then retried)
+    # 5 s: with 1 s, a 40-step --env calc run on 2 busy cores timed out 104 env calls (then retried)
     env_timeout_floor_s: float = opt(5.0, "adaptive env deadline: never under this, seconds")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
     reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the "
@@ -147,7 +147,7 @@ class EnvDeadline:
     """How long the next env call may take, seconds: clamp(quantile(latencies) * factor, floor_s,
     ceiling_s) over the last WINDOW calls of its kind (reset or step: an env's reset is often
     instant and its step a tool or the verifier, so each kind has its own); ceiling_s before
-    MIN_SAMPLES of them, or always when factor is 0 (fixed: the default). One per EnvManager, shared
+    MIN_SAMPLES of them, or always when factor is 0 (the fixed timeout). One per EnvManager, shared
     by its trajectories: a slow tail is cut at a few times what such calls take now, not at a fixed
     worst case, so a stuck call fails (and is retried) soon.
     A timed-out call is recorded as taking its limit (censored: it took at least that). As long as
@@ -159,15 +159,19 @@ class EnvDeadline:
 
     KINDS = ("reset", "step")
 
-    def __init__(self, ceiling_s: float, quantile: float = 1.0, factor: float = 0.0, floor_s: float = 0.0):
-        self.ceiling_s, self.quantile, self.factor, self.floor_s = ceiling_s, quantile, factor, floor_s
+    def __init__(self, ceiling_s: float, quantile: float = 1.0, factor: float = 0.0, floor_s: float = 0.0,
+                 reward_s: float = 0.0):
+        self.ceiling_s, self.quantile, self.factor = ceiling_s, quantile, factor
+        # a step awaits the verifier, which has a timeout of its own (reward_s: it then scores 0 and
+        # replaces its worker): never cut a step before that answer can arrive (1.5x: some room for it)
+        self.floor_s = {"reset": floor_s, "step": max(floor_s, 1.5 * reward_s)}
         self.latencies = {k: collections.deque(maxlen=WINDOW) for k in self.KINDS}   # seconds
         self.current_s = {k: ceiling_s for k in self.KINDS}   # the deadline now, recomputed per record
 
     @classmethod
     def of(cls, cfg: RolloutConfig) -> "EnvDeadline":
         return cls(cfg.env_step_timeout_s, cfg.env_timeout_quantile, cfg.env_timeout_factor,
-                   cfg.env_timeout_floor_s)
+                   cfg.env_timeout_floor_s, cfg.reward_timeout_s)
 
     def record(self, kind: str, latency_s: float):
         """A call of `kind` ended after latency_s seconds: it completed, or timed out at that limit."""
@@ -175,7 +179,7 @@ class EnvDeadline:
         xs.append(latency_s)
         if self.factor > 0 and len(xs) >= MIN_SAMPLES:
             q = sorted(xs)[max(0, math.ceil(self.quantile * len(xs)) - 1)]     # nearest-rank quantile
-            self.current_s[kind] = min(self.ceiling_s, max(self.floor_s, q * self.factor))
+            self.current_s[kind] = min(self.ceiling_s, max(self.floor_s[kind], q * self.factor))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import task
 from config import opt
+from sandbox import SandboxLimits, arun_python
 
 # ---------------------------------------------------------------------------------------------
 # single-turn RLVR
@@ -135,7 +136,6 @@ class CalcEnv:
     is the answer, scored by the task's verifier."""
 
     def __init__(self, problem: task.Problem, reward_fn=None, max_calls: int = 2, limits=None):
-        from sandbox import SandboxLimits
         self.problem, self.reward_fn, self.max_calls = problem, reward_fn, max_calls
         self.limits = limits or SandboxLimits()
         self.calls = 0
@@ -147,7 +147,6 @@ class CalcEnv:
     async def step(self, action: str) -> tuple[str, float, bool, dict]:
         call = CALL.fullmatch(action)
         if call and self.calls < self.max_calls:
-            from sandbox import arun_python
             self.calls += 1
             res = await arun_python(call.group(1), self.limits, mode="eval")
             value = res.output.strip()

@@ -130,15 +130,11 @@ class VLLMEngine:
         # read at import, so that a second engine this process starts gets its own cores, not the first's).
         if cpu_cores and not USER_OMP_BIND:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
-        if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
-            os.sched_setaffinity(0, {c for part in cpu_cores.split(",") for c in
-                                     range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)})
         # the engine's worker process imports weight_sync.WeightSyncWorker by name, from this directory
         here = os.path.dirname(os.path.abspath(__file__))
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         # (vLLM's CPU platform always runs the model in a worker process separate from the engine
         # core, even for one worker; the two hand over through a shared-memory queue that spins with
@@ -151,6 +147,18 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
             worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
             **engine_kwargs)
+        affinity = os.sched_getaffinity(0)      # this thread's, given back once the engine's processes run
+        if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
+            os.sched_setaffinity(0, {c for part in cpu_cores.split(",") for c in
+                                     range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)})
+        try:
+            return cls._start(args)
+        finally:   # (a pool thread, in the tools: later work must not stay on the engine's core)
+            os.sched_setaffinity(0, affinity)
+
+    @classmethod
+    def _start(cls, args) -> "VLLMEngine":
+        from vllm.v1.engine.async_llm import AsyncLLM
         # vLLM leaves its IPC sockets in the temp dir (thousands after a few runs): each engine gets a
         # dir of its own, removed at shutdown. Set only while the engine starts (its processes inherit
         # it), so that no later child (a torchrun rank) takes a removed dir for a user's setting.

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import task
+from envs import calc_observation
 
 SPECIALS = ["<pad>", "<eos>"]
 # digits and arithmetic first; letters and punctuation so text environments can speak too
@@ -97,7 +98,6 @@ def sft_segments(p: task.Problem, tool: bool) -> list[tuple[str, bool]]:
     model's turns). tool: call the calculator (envs.CalcEnv's protocol), then copy its value."""
     if not tool:
         return [(p.prompt, False), (p.answer, True)]
-    from envs import calc_observation
     return [(p.prompt, False), (f"calc({p.prompt.rstrip('=')})", True), (calc_observation(p.answer), False),
             (p.answer, True)]
 

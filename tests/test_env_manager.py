@@ -337,6 +337,17 @@ def test_env_deadline_quantile_times_factor_within_floor_and_ceiling():
     assert EnvDeadline.of(rcfg()).current_s == {"reset": 30.0, "step": 30.0}
 
 
+def test_a_step_is_never_cut_before_its_verifier_times_out():
+    """The verifier (a step's reward) has its own timeout, after which it scores 0: the step's deadline
+    stays above it even when steps are fast; resets keep the plain floor."""
+    d = EnvDeadline(30.0, quantile=0.9, factor=3.0, floor_s=1.0, reward_s=10.0)
+    for _ in range(MIN_SAMPLES):
+        d.record("step", 0.1)
+        d.record("reset", 0.1)
+    assert d.current_s == {"reset": 1.0, "step": 15.0}
+    assert EnvDeadline.of(rcfg(reward_timeout_s=4.0)).floor_s == {"reset": 5.0, "step": 6.0}
+
+
 def test_env_deadline_timeouts_move_it_only_when_more_than_one_minus_q_of_calls_time_out():
     """Timed-out calls are recorded at their limit: a few (< 1 - q of the window) never raise the deadline,
     so hung calls are cut at the same deadline; many mean a kind of call is slow, not stuck, and the
@@ -371,7 +382,8 @@ def test_hung_env_is_cut_at_the_adaptive_deadline_not_the_ceiling(tok, factor, c
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(env_timeout_factor=factor, env_timeout_floor_s=1.0),
+        m = make_manager(buf, tok, cfg=rcfg(env_timeout_factor=factor, env_timeout_floor_s=1.0,
+                                             reward_timeout_s=0.01),   # (no verifier here)
                          env_wrappers=wrap,
                          length_sampler=lambda rng: 2)
         before = m.stats()["env_deadline_s"]
@@ -414,7 +426,8 @@ def test_adaptive_deadline_follows_an_env_that_gets_slower(tok):
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=16, max_retries=3, env_timeout_floor_s=1.0),
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=16, max_retries=3, env_timeout_floor_s=1.0,
+                                             reward_timeout_s=0.01),   # (no verifier here)
                          length_sampler=lambda rng: 2,
                          env_wrappers=lambda env: Slow(LatencyEnv(env, 0.01, 0.0, rng)))
         run = asyncio.create_task(m.run())
