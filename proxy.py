@@ -115,14 +115,20 @@ class VLLMEngine:
     def __init__(self, llm, ipc_dir: str | None = None):
         self.llm = llm
         self.ipc_dir = ipc_dir    # this engine's ZMQ IPC sockets (VLLM_RPC_BASE_PATH), removed at shutdown
+        self.adapter_config: dict | None = None    # LoRA: the adapter's adapter_config.json content
+        self.lora_request = None  # LoRA: the adapter every request names...
+        self.adapter_loaded = False   # ...once the engine has it (from its dir, or from a weight sync)
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
               kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.85, dtype: str = "float32",
-              seed: int = 0, cpu_cores: str = "", sleep_mode: bool = False, **engine_kwargs) -> "VLLMEngine":
+              seed: int = 0, cpu_cores: str = "", sleep_mode: bool = False, lora=None, adapter_dir: str = "",
+              **engine_kwargs) -> "VLLMEngine":
         """max_model_len None: the model's own (max_position_embeddings). dtype float32 on CPU keeps
         engine and trainer logprobs equal to ~1e-6; GPUs run bfloat16. KV cache: kv_cache_gib on CPU
-        (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU."""
+        (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU.
+        lora (lora.LoraConfig, rank > 0): serve model_dir plus one LoRA adapter, the one in adapter_dir
+        (a --resume) or else none (the base model) until a weight sync sends one."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
         # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
@@ -139,6 +145,10 @@ class VLLMEngine:
         # (vLLM's CPU platform always runs the model in a worker process separate from the engine
         # core, even for one worker; the two hand over through a shared-memory queue that spins with
         # sched_yield. Both inherit this rank's core, so the spinning yields to generation.)
+        lora = lora if lora is not None and lora.lora_rank else None
+        if lora:
+            from lora import engine_rank
+            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=engine_rank(lora.lora_rank))
         if torch.cuda.is_available():
             engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
             engine_kwargs.setdefault("enable_sleep_mode", sleep_mode)     # --colocate
@@ -152,9 +162,27 @@ class VLLMEngine:
             os.sched_setaffinity(0, {c for part in cpu_cores.split(",") for c in
                                      range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)})
         try:
-            return cls._start(args)
+            engine = cls._start(args)
         finally:   # (a pool thread, in the tools: later work must not stay on the engine's core)
             os.sched_setaffinity(0, affinity)
+        if lora:
+            engine.use_adapter(lora.adapter_config(model_dir), adapter_dir)
+        return engine
+
+    def use_adapter(self, config: dict, adapter_dir: str = ""):
+        """LoRA: requests name the engine's adapter (lora.ADAPTER_ID) from now on, loaded from
+        adapter_dir at the first request; without a dir, from the first weight sync."""
+        from vllm.lora.request import LoRARequest
+
+        import lora
+        self.adapter_config = config
+        # (vLLM wants a path even for an adapter its workers already hold; this one says where it came from)
+        self.lora_request = LoRARequest(lora.ADAPTER_NAME, lora.ADAPTER_ID, adapter_dir or "(weight sync)")
+        self.adapter_loaded = bool(adapter_dir)
+
+    @property
+    def _adapter(self):
+        return self.lora_request if self.adapter_loaded else None
 
     @classmethod
     def _start(cls, args) -> "VLLMEngine":
@@ -192,7 +220,7 @@ class VLLMEngine:
         prompt = {"prompt_token_ids": prompt_token_ids}
         if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
             prompt["cache_salt"] = cache_salt
-        async for out in self.llm.generate(prompt, params, request_id):
+        async for out in self.llm.generate(prompt, params, request_id, lora_request=self._adapter):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
             yield list(o.token_ids), lps, (o.finish_reason if out.finished else None)
@@ -220,7 +248,13 @@ class VLLMEngine:
         (weight_sync.WeightSyncWorker); collective_rpc carries only the spec and the meta. Returns
         each worker's timings."""
         from dataclasses import asdict
-        return await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta))
+
+        from lora import is_adapter_tensor
+        adapter = self.adapter_config if meta and all(is_adapter_tensor(m[0]) for m in meta) else None
+        out = await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta, adapter))
+        if adapter is not None:
+            self.adapter_loaded = True                   # every worker holds it now
+        return out
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
@@ -232,7 +266,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                           f"score-{time.monotonic_ns()}"):
+                                           f"score-{time.monotonic_ns()}", lora_request=self._adapter):
             final = out
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 

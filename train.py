@@ -35,6 +35,7 @@ from config import opt, parse_cli, part
 from controller import AsyncController, ControllerConfig, problem_stream, rl_step
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultConfig, PromptFormat
+from lora import LoraConfig, check_lora
 from proxy import LLMProxy, Sampling, VLLMEngine, cpu_layout, engine_gpu
 from runlog import RunLog, check_tracker, eval_line, print0, trim_metrics
 from task import DataConfig, Problem, load_dataset
@@ -87,6 +88,7 @@ class Config:
     rollout: RolloutConfig = part(RolloutConfig)          # --max-concurrency, --max-tokens, --dtype, ...
     faults: FaultConfig = part(FaultConfig)               # --env-fail-rate, ... (testing)
     train: TrainConfig = part(TrainConfig)                # --loss, --lr, --clip-high, ..., --seed
+    lora: LoraConfig = part(LoraConfig)                   # --lora-rank, --lora-alpha, ...
 
     def __post_init__(self):
         if self.resume not in ("no", "yes", "auto"):
@@ -154,10 +156,12 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
                if last.get("sync_probe_max_diff") is not None else "")
 
 
-def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: str, state, buffer_addr):
+def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
+                adapter_dir: str = ""):
     from transformers import AutoTokenizer
     timeout = cfg.controller.timeout_s
-    trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device)
+    trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device,
+                      lora=cfg.lora, adapter_dir=adapter_dir)
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
@@ -196,7 +200,7 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
 
 
 def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buffer_addr,
-                engine_core: str = ""):
+                engine_core: str = "", adapter_dir: str = ""):
     from transformers import AutoTokenizer
     index = rank - cfg.train_gpus                      # rollout rank index: its command queue
     who, rc, timeout = f"rollout rank {index} (global {rank})", cfg.rollout, cfg.controller.timeout_s
@@ -211,7 +215,7 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
                   gpu_memory_utilization=rc.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose,
-                  sleep_mode=cfg.colocate)
+                  sleep_mode=cfg.colocate, lora=cfg.lora, adapter_dir=adapter_dir)
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
@@ -300,9 +304,16 @@ def main():
                      else f"train.py: --data {cfg.data.data}: {e}")
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
+    saved_rank = (state or {}).get("config", {}).get("lora", {}).get("lora_rank", 0)
+    if state and saved_rank != cfg.lora.lora_rank:
+        sys.exit(f"train.py: --resume: the checkpoint was trained with --lora-rank {saved_rank}; resume with "
+                 f"the same (got {cfg.lora.lora_rank})")
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     try:
-        model_dir = str(Path(cfg.out_dir) / "checkpoint") if state else cfg.model
+        # a resumed run starts from its checkpoint: the full model, or (LoRA) the base plus its adapter
+        ckpt = str(Path(cfg.out_dir) / "checkpoint") if state else ""
+        adapter_dir = ckpt if cfg.lora.lora_rank else ""
+        model_dir = ckpt if ckpt and not adapter_dir else cfg.model
         if not model_dir:     # the embedded model (--env calc: the one warm-started to call the calculator)
             import tiny_model
             out, tiny = ((tiny_model.CALC_DIR, tiny_model.CALC) if cfg.controller.env == "calc"
@@ -313,6 +324,11 @@ def main():
             model_dir = str(out)
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
+        if cfg.lora.lora_rank:
+            try:
+                check_lora(cfg.lora, model_dir)
+            except ValueError as e:
+                raise SystemExit(f"train.py: {e}") from None
         custom_reward = bool(cfg.data.data or cfg.data.task or cfg.rollout.reward)
         cfg = dataclasses.replace(cfg, rollout=cfg.rollout.resolved(model_dir, device, not cfg.model,
                                                                     custom_reward, cfg.controller.env))
@@ -331,9 +347,9 @@ def main():
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
         if rank < cfg.train_gpus:
-            run_trainer(cfg, rank, device, trainer_group, store, model_dir, state, addr[0])
+            run_trainer(cfg, rank, device, trainer_group, store, model_dir, state, addr[0], adapter_dir)
         else:
-            run_rollout(cfg, rank, device, model_dir, state, addr[0], engine_core)
+            run_rollout(cfg, rank, device, model_dir, state, addr[0], engine_core, adapter_dir)
         collective("final barrier", dist.barrier)
     finally:
         cleanup()

@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import lora as lora_mod
 import losses
 from buffer import Sample
 from config import flag, opt
+from lora import LoraConfig
 
 # a micro-batch with nothing to learn (FSDP padding)
 EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
@@ -110,10 +112,15 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
 
 
 class Trainer:
-    def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu"):
+    def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
+                 lora: LoraConfig | None = None, adapter_dir: str = ""):
+        """lora with lora_rank > 0: train a PEFT adapter on the frozen model (adapter_dir: start from
+        that saved adapter, a --resume); its tensors are then all that named_weights() and the
+        checkpoints hold."""
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.lora = lora if lora is not None and lora.lora_rank else None
         self.group = group
         self.device = torch.device(device)
         self.world = dist.get_world_size(group) if group is not None else 1
@@ -121,6 +128,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        if self.lora:
+            model = lora_mod.wrap(model, self.lora)
+            if adapter_dir:
+                lora_mod.load_adapter(model, adapter_dir)
         self.fsdp = self.world > 1
         if self.fsdp:
             from torch.distributed.device_mesh import DeviceMesh
@@ -128,11 +139,14 @@ class Trainer:
 
             ranks = dist.get_process_group_ranks(group)
             mesh = DeviceMesh.from_group(group, self.device.type, mesh=torch.tensor(ranks))
-            for layer in model.model.layers:
+            # (PEFT: the decoder layers are the wrapped model's; frozen base weights shard alike)
+            for layer in (model.get_base_model() if self.lora else model).model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # LoRA: only the adapter trains, so only it has optimizer state
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay)
         self.num_steps = 0                # batches trained (restored on resume; the LR warm-up counts these)
 
     # --- training
@@ -183,11 +197,23 @@ class Trainer:
         self.num_steps += 1
         out = {k: sum(u[k] for u in self.update_metrics) / len(self.update_metrics)
                for k in self.update_metrics[0]}
-        out.update(lr=lr, num_updates=len(self.update_metrics))
+        out.update(lr=lr, num_updates=len(self.update_metrics), **self.memory())
         for key, (total, n) in gap.items():
             if n:
                 out[f"logp_diff_{key}"] = total / n       # mean |engine - trainer| per response token
         return out
+
+    def memory(self) -> dict:
+        """This rank's optimizer state (MB; its shard under FSDP) and peak memory so far (GB: the GPU's
+        allocations, or on CPU the process's peak resident set, libraries included)."""
+        state = sum(getattr(t, "_local_tensor", t).nbytes for st in self.opt.state.values()
+                    for t in st.values() if torch.is_tensor(t))
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # (Linux: KiB)
+        return {"optimizer_state_mb": state / 1e6, "mem_peak_gb": peak / 1e9}
 
     def _plan(self, samples, advantages, version) -> list[list[dict]]:
         """This rank's samples as mini-batches of collated micro-batches, each with its loss weight.
@@ -237,7 +263,11 @@ class Trainer:
     # --- weights out
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of what the engines load, without gathering (a sharded DTensor knows its
-        full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it."""
+        full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it.
+        LoRA: the adapter's tensors only, under PEFT's saved names (lora.adapter_name)."""
+        if self.lora:
+            return [(lora_mod.adapter_name(n), v) for n, v in self.model.state_dict().items()
+                    if lora_mod.is_adapter_tensor(n)]
         return [(n, v) for n, v in self.model.state_dict().items()
                 if not (self.tied and n == "lm_head.weight")]
 
@@ -295,11 +325,14 @@ class Trainer:
         from safetensors.torch import save_file
         from transformers import AutoTokenizer
 
-        self.model.config.save_pretrained(tmp)
-        if getattr(self.model, "generation_config", None) is not None:
-            self.model.generation_config.save_pretrained(tmp)
-        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        if self.lora:         # a PEFT adapter dir (PeftModel.from_pretrained and vLLM's LoRA loader read it)
+            lora_mod.save_adapter(tmp, named, self.lora, base=tokenizer_dir)     # (the base model's dir)
+        else:
+            self.model.config.save_pretrained(tmp)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(tmp)
+            save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
 

@@ -155,10 +155,12 @@ class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls="weight_sync.WeightSyncWorker"); its
     methods run in the worker process, called by collective_rpc."""
 
-    def receive_weights(self, spec: dict, first_rank: int, meta: Meta) -> dict:
+    def receive_weights(self, spec: dict, first_rank: int, meta: Meta, adapter: dict | None = None) -> dict:
         """Join spec's group (first time, or a new generation) as first_rank + this worker's rank,
-        receive every bucket and load it as it arrives. Returns the tensors loaded and seconds: in
-        all (total_s), waiting in the broadcast (wait_s; the rest is vLLM's own load)."""
+        receive every bucket and load it as it arrives. adapter (a LoRA adapter's adapter_config.json
+        content): meta is that adapter's tensors, which replace the engine's adapter (lora.ADAPTER_ID).
+        Returns the tensors loaded and seconds: in all (total_s), waiting in the broadcast (wait_s; the
+        rest is vLLM's own load)."""
         import time
         t0 = time.monotonic()
         spec = GroupSpec(**spec)
@@ -200,12 +202,38 @@ class WeightSyncWorker:
                     yield meta[i][0], chunk.view(meta[i][1])
 
         stream = tensors()
+        if adapter is not None:
+            self._load_adapter(dict(stream), adapter)
+            return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
         self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
         # (a loader that stopped early: the broadcast still needs every bucket received)
         for _ in stream:
             pass
         self._fix_tied_head()
         return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
+
+    def _load_adapter(self, tensors: dict, config: dict):
+        # vLLM's own LoRA loading, from tensors instead of a dir (what its LRU worker manager does for an
+        # in-place reload): the new adapter replaces the old under the same id, and is made active, so
+        # requests kept across the sync (keep mode) continue with it at their next step
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from lora import ADAPTER_ID
+        manager = self.model_runner.lora_manager
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings":
+                                       manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
+        on_cpu = {n: t.to("cpu") for n, t in tensors.items()}      # (vLLM keeps adapters on the host)
+        adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, on_cpu, helper, device="cpu",
+                                              dtype=manager.lora_config.lora_dtype,
+                                              model_vocab_size=manager.vocab_size,
+                                              weights_mapper=mapper.get_rename_mapper() if mapper else None)
+        models = manager._adapter_manager           # (vLLM's LoRAModelManager: no public in-place load)
+        models.remove_adapter(ADAPTER_ID)
+        models.add_adapter(adapter)
+        models.activate_adapter(ADAPTER_ID)
 
     def _fix_tied_head(self):
         # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the

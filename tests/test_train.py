@@ -225,3 +225,33 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint_by_itself(tmp_path):
     log = Path(out).with_suffix(".log").read_text()
     resumed = [int(n) for n in re.findall(r"resuming at step (\d+)", log)]
     assert resumed and all(n % 2 == 0 and 2 <= n < 30 for n in resumed), resumed   # a checkpoint, not the end
+
+
+def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
+    """--lora-rank: every sync's probe finds the engine equal to the trainer's base + adapter, the
+    checkpoint is a PEFT adapter, and --resume starts the engine on that adapter (the start-up probe)."""
+    out = tmp_path / "lora"
+    # (a large step: the adapter must move the probe's logprobs well past 1e-4 for the checks to mean much)
+    lora = ["--lora-rank", "8", "--lr", "2e-2", "--warmup-steps", "0", "--save-every", "2",
+            "--async-ratio", "1"]
+    r = finish(torchrun(out, "--steps", "2", *lora, rollout_gpus=1), out)
+    assert all(x["sync_probe_max_diff"] < 1e-4 for x in r)
+    ck = out / "checkpoint"
+    assert (ck / "adapter_model.safetensors").exists() and not (ck / "model.safetensors").exists()
+    assert json.loads((ck / "adapter_config.json").read_text())["r"] == 8
+    r = finish(torchrun(out, "--steps", "4", *lora, "--resume", rollout_gpus=1), out)
+    assert [x["step"] for x in r] == [1, 2, 3, 4] and all(x["sync_probe_max_diff"] < 1e-4 for x in r[2:])
+    start = re.search(r"rollout ready: .* probe diff ([0-9.e+-]+)", Path(out).with_suffix(".log").read_text())
+    assert start and float(start.group(1)) < 1e-4          # the engine serves the checkpoint's adapter
+    # the adapter moves the probe far past 1e-4: an engine that ignored it would fail the checks above
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trainer import PROBE_TEXT, token_logprobs
+    base_dir = json.loads((ck / "adapter_config.json").read_text())["base_model_name_or_path"]
+    ids = torch.tensor([AutoTokenizer.from_pretrained(base_dir).encode(PROBE_TEXT)])
+    with torch.no_grad():
+        base = token_logprobs(AutoModelForCausalLM.from_pretrained(base_dir), ids, torch.ones_like(ids))
+        tuned = token_logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), ck),
+                               ids, torch.ones_like(ids))
+    assert (tuned - base).abs().max().item() > 1e-3

@@ -204,8 +204,8 @@ def lockstep(args, seed: int) -> dict:
                                              seed=seed))
     torch.manual_seed(seed)
     problems = problem_stream(None, seed, make=task.make_problem)
-    wrap = FaultConfig(env_latency_s=args.env_latency_s, env_latency_sigma=args.env_latency_sigma).wrapper(
-        seed * 1000) or (lambda env: env)
+    wrap = FaultConfig(env_latency_s=args.env_latency_s, env_latency_sigma=args.env_latency_sigma,
+                       env_hang_rate=args.env_hang_rate).wrapper(seed * 1000) or (lambda env: env)
     deadline = EnvDeadline.of(rc)           # shared by all steps, as a rollout rank's
     B, G, pad_id = args.batch_groups, args.group_size, tok.pad_token_id
     step_times, rewards, turns, failed = [], [], [], 0
@@ -258,6 +258,7 @@ def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int
                        "--micro-batch", str(args.micro_batch), "--max-concurrency", str(args.max_concurrency),
                        *(("--env", args.env, "--env-latency-s", str(args.env_latency_s),
                           "--env-latency-sigma", str(args.env_latency_sigma),
+                          "--env-hang-rate", str(args.env_hang_rate),
                           "--env-redundancy", str(env_redundancy)) if args.env else ()))
     t = time.monotonic()
     with open(out_dir.with_suffix(".log"), "w") as log:
@@ -290,6 +291,11 @@ def main(args):
     else:
         base = "naive"
         runs = {"naive": lambda seed: naive(args, seed), **runs}
+    unknown = set(args.runs or ()) - set(runs)
+    if unknown:
+        raise SystemExit(f"bench_e2e: --runs {' '.join(sorted(unknown))}: this workload runs "
+                         f"{', '.join(runs)}")
+    runs = {name: run for name, run in runs.items() if not args.runs or name in args.runs}
     res: dict[str, list[dict]] = {name: [] for name in runs}
     for seed in args.seeds:
         for name, run in runs.items():
@@ -298,6 +304,8 @@ def main(args):
             print(f"  {name:9s} {json.dumps(res[name][-1])}", flush=True)
 
     def mean(name, key):
+        if name not in res:                  # not run (--runs)
+            return None
         vals = [r[key] for r in res[name]]
         return statistics.fmean(vals) if all(v is not None for v in vals) else None
 
@@ -318,7 +326,8 @@ def main(args):
                   "lr": args.lr, "loss": args.loss, "target": args.target, "seeds": args.seeds,
                   "system_steps": args.steps, "max_concurrency": args.max_concurrency,
                   **({"env": args.env, "env_latency_s": args.env_latency_s,
-                      "env_latency_sigma": args.env_latency_sigma, "env_redundancy": args.env_redundancy}
+                      "env_latency_sigma": args.env_latency_sigma, "env_hang_rate": args.env_hang_rate,
+                      "env_redundancy": args.env_redundancy}
                      if args.env else {})},
         "runs": res, "ratios": ratios}, indent=2))
 
@@ -344,8 +353,12 @@ if __name__ == "__main__":
     ap.add_argument("--env-latency-s", type=float, default=0.5, help="--env: the median injected env latency "
                     "per reset and step, seconds")
     ap.add_argument("--env-latency-sigma", type=float, default=1.0, help="--env: its lognormal sigma")
+    ap.add_argument("--env-hang-rate", type=float, default=0.0, help="--env: the chance an env call never "
+                    "returns (a stuck tool: only the env deadline ends it, and the trajectory is retried)")
     ap.add_argument("--env-redundancy", type=int, default=2, help="--env: the redundant run's extra "
                     "trajectories per group")
+    ap.add_argument("--runs", nargs="+", help="only these (default: all of the workload's; ratios need both "
+                    "sides)")
     ap.add_argument("--out-dir", default="runs/bench_e2e")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per system run")
     ap.add_argument("--verbose", action="store_true")
