@@ -17,6 +17,14 @@ Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behi
 `agg` is "token-mean" or "seq-mean-token-mean" over unmasked tokens. Metrics: clip_frac, ratio_mean,
 ratio_max, is_weight_mean, behav_capped_frac, approx_kl (k3 estimate of KL(mu || pi)).
 
+Rollout correction, on top of any loss (--is-correction; rollout_correction(), the verl/slime style):
+rho = pi_prox / mu per token, or per sequence (the product over its tokens), with pi_prox the trainer
+before this update; the loss then takes pi_prox as its own reference instead of mu, and each token's
+loss is multiplied by w: tis min(rho, cap); mis rho inside [1/cap, cap], else 0; icepop 1 inside
+[icepop_low, icepop_high], else 0. decoupled_ppo's own weight pi_prox / mu is replaced by w. The tis
+loss above stays what it is (truncated-IS REINFORCE against mu); ppo + --is-correction tis is the
+field's TIS (PPO against pi_prox, times the truncated pi_prox / mu).
+
 Main deviations (all of them, and the full table, in DESIGN.md): log-ratios clamped to [-20, 20];
 tis is truncated-IS REINFORCE, not on top of PPO; topr's ratio and sign split are per token;
 cispo's defaults are ours; gspo's paper clip range is far tighter than the shared defaults.
@@ -33,6 +41,8 @@ import torch
 from config import flag, opt
 
 VARIANTS = ("reinforce", "ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo")
+CORRECTIONS = ("none", "tis", "mis", "icepop")
+LEVELS = ("token", "sequence")
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8, finite in the float32 (or float64) the math runs in
 
@@ -56,6 +66,13 @@ class LossConfig:
     gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
     gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
     loss_agg: str = opt("token-mean", "loss aggregation: " + " | ".join(AGG_MODES))
+    is_correction: str = opt("none", "rollout correction on top of --loss, weight from pi_prox / mu (the "
+                                     "trainer before the update / the engine): " + " | ".join(CORRECTIONS))
+    is_level: str = opt("token", "rollout correction's ratio: per token, or per sequence (the product)")
+    is_cap: float = opt(2.0, "--is-correction tis: weight <= this; mis: kept inside [1/this, this] "
+                             "(Yao et al. 2025: 2)")
+    icepop_low: float = opt(0.5, "--is-correction icepop: tokens with ratio below this get no gradient")
+    icepop_high: float = opt(5.0, "--is-correction icepop: tokens with ratio above this get no gradient")
 
     def __post_init__(self):
         if self.loss not in VARIANTS:
@@ -98,16 +115,24 @@ def compute_policy_loss(
     topr_neg_weight: float = 1.0,  # topr: scale of the A <= 0 tokens' loss
     behav_weight_cap: float | None = None,  # decoupled_ppo: drop tokens with w = pi_prox / mu above this
     agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
+    is_correction: str = "none",  # rollout correction on top: none | tis | mis | icepop (needs prox_logp)
+    is_level: str = "token",     # its ratio per token or per sequence
+    is_cap: float = 2.0,         # tis: w <= is_cap; mis: kept inside [1 / is_cap, is_cap]
+    icepop_low: float = 0.5,     # icepop: kept inside [icepop_low, icepop_high]
+    icepop_high: float = 5.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
     check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap)
+                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap, is_correction=is_correction,
+                  is_level=is_level, is_cap=is_cap, icepop_low=icepop_low, icepop_high=icepop_high)
     _check_shapes(logp, old_logp, advantages, mask, prox_logp)
-    if variant == "decoupled_ppo" and prox_logp is None:
-        raise ValueError("variant 'decoupled_ppo' needs prox_logp= (the trainer's logprobs of the "
-                         "sampled tokens under the weights before this update)")
+    correct = is_correction != "none"
+    if (variant == "decoupled_ppo" or correct) and prox_logp is None:
+        raise ValueError(f"{'--is-correction ' + is_correction if correct else 'variant decoupled_ppo'} "
+                         f"needs prox_logp= (the trainer's logprobs of the sampled tokens under the weights "
+                         f"before this update)")
 
     m = mask != 0                                                  # [B, T] bool
     dt = torch.promote_types(logp.dtype, torch.float32)            # bf16 / fp16 inputs: math in fp32
@@ -116,6 +141,12 @@ def compute_policy_loss(
     old = torch.where(m, old_logp.detach().to(dt), 0.0)            # [B, T]
     adv = advantages.detach().to(dt)
     A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
+    if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
+        prox = torch.where(m, prox_logp.detach().to(dt), 0.0)
+        corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
+                                               icepop_high)
+        mismatch = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # log pi_prox / mu
+        old = prox
     log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
     r = log_r.exp()                                                # [B, T] pi / mu
 
@@ -129,7 +160,8 @@ def compute_policy_loss(
         loss_tok, clipped = _ppo_clip(r, A, clip_low, clip_high, dual_clip)
     elif variant == "decoupled_ppo":
         prox = torch.where(m, prox_logp.detach().to(dt), 0.0)      # [B, T]
-        is_w = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()        # w = pi_prox / mu
+        is_w = ((prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # w = pi_prox / mu
+                if not correct else corr_w)                                        # (or the correction's)
         r_prox = (lp - prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # r' = pi / pi_prox
         inner, clipped = _ppo_clip(r_prox, A, clip_low, clip_high, dual_clip)
         if behav_weight_cap is not None:
@@ -159,6 +191,8 @@ def compute_policy_loss(
         loss_tok = loss_seq[:, None].expand_as(lp)                 # each token carries its sequence's loss
         clipped = clipped_seq[:, None].expand_as(m)
 
+    if correct and variant != "decoupled_ppo":
+        loss_tok = corr_w * loss_tok
     loss_tok = torch.where(m, loss_tok, 0.0)                       # [B, T]
     loss = _aggregate(loss_tok, m, agg)
 
@@ -176,7 +210,30 @@ def compute_policy_loss(
             "approx_kl": mean(r - 1.0 - log_r),
             "behav_capped_frac": mean(capped.to(r.dtype)),
         }
+        if correct:   # k3 estimate of KL(mu || pi_prox): the engine/trainer mismatch, staleness included
+            metrics.update(mismatch_kl=mean(mismatch.exp() - 1.0 - mismatch),
+                           is_corrected_frac=mean(corrected.to(r.dtype)),
+                           is_weight_max=torch.where(m, corr_w, 0.0).max().item() if m.numel() else 0.0)
     return loss, metrics
+
+
+def rollout_correction(prox: torch.Tensor, old: torch.Tensor, m: torch.Tensor, mode: str,
+                       level: str = "token", cap: float = 2.0, low: float = 0.5, high: float = 5.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """prox, old: [B, T] logprobs of pi_prox and mu (zero where masked), m: [B, T] bool. Returns the
+    weight w [B, T] (no grad; 0 where masked) and the tokens it corrected (bool: truncated by tis, dropped
+    by mis or icepop). rho = pi_prox / mu per token, or per sequence exp(sum of its tokens' log-ratios)
+    given to each of its tokens."""
+    log_rho = torch.where(m, prox - old, 0.0)                      # [B, T]
+    if level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # [B, T]
+    if mode == "tis":                                              # truncated (Yao et al. 2025)
+        return torch.where(m, rho.clamp(max=cap), 0.0), m & (rho > cap)
+    lo, hi = (1.0 / cap, cap) if mode == "mis" else (low, high)
+    kept = m & (rho >= lo) & (rho <= hi)
+    # mis: masked IS (rho where kept); icepop: a two-sided mask without reweighting (1 where kept)
+    return torch.where(kept, rho if mode == "mis" else torch.ones_like(rho), 0.0), m & ~kept
 
 
 def _ppo_clip(ratio, A, clip_low, clip_high, dual_clip):
@@ -202,7 +259,8 @@ def _aggregate(loss_tok, m, agg):
 
 
 def check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap=None):
+                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap=None, *, is_correction="none",
+                  is_level="token", is_cap=2.0, icepop_low=0.5, icepop_high=5.0):
     """Every hyperparameter of compute_policy_loss, checked (ValueError naming the bad one)."""
     def need(ok, name, value, what):
         if not ok:
@@ -222,6 +280,11 @@ def check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high
     need(agg in AGG_MODES, "agg", agg, f"one of {', '.join(AGG_MODES)}")
     need(behav_weight_cap is None or (number(behav_weight_cap) and behav_weight_cap > 0), "behav_weight_cap",
          behav_weight_cap, "None or > 0")
+    need(is_correction in CORRECTIONS, "is_correction", is_correction, f"one of {', '.join(CORRECTIONS)}")
+    need(is_level in LEVELS, "is_level", is_level, f"one of {', '.join(LEVELS)}")
+    need(number(is_cap) and is_cap > 1, "is_cap", is_cap, "> 1")
+    need(number(icepop_low) and number(icepop_high) and 0 <= icepop_low < 1 < icepop_high, "icepop_low",
+         (icepop_low, icepop_high), "with icepop_high: 0 <= icepop_low < 1 < icepop_high")
 
 
 def _check_shapes(logp, old_logp, advantages, mask, prox_logp):

@@ -65,6 +65,9 @@ class TrainConfig(losses.LossConfig):
                 raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.recompute_old_logprobs and self.is_correction != "none":
+            raise ValueError(f"--is-correction {self.is_correction} weighs the trainer against the engine's "
+                             f"logprobs, which --recompute-old-logprobs replaces: pass one of the two")
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -158,13 +161,14 @@ class Trainer:
 
         The trainer's logprobs before the first update (`pre`) are computed first, without grad,
         when the loss needs them: decoupled_ppo's proximal policy, frozen for the whole batch (so its
-        clip acts from the second optimizer step on), or --recompute-old-logprobs (they replace the
-        engine's as the old logprobs). Returns metrics averaged over the optimizer steps (rank 0's:
-        each rank reports its own shard); self.update_metrics keeps them per step."""
+        clip acts from the second optimizer step on), --is-correction's pi_prox (the same role, on top
+        of any loss), or --recompute-old-logprobs (they replace the engine's as the old logprobs).
+        Returns metrics averaged over the optimizer steps (rank 0's: each rank reports its own shard);
+        self.update_metrics keeps them per step."""
         cfg = self.cfg
         self.model.train()
         plan = self._plan(samples, advantages, version)     # [mini-batch][micro-batch] -> tensors
-        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs:
+        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none":
             with torch.no_grad():
                 for micro in (t for mini in plan for t in mini):
                     micro["pre"] = token_logprobs(self.model, micro["input_ids"], micro["attn"])

@@ -508,3 +508,74 @@ def test_behaviour_weight_cap_drops_tokens_far_off_policy():
     assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0
     assert m["behav_capped_frac"] == pytest.approx(1 / 3)
     assert m["is_weight_mean"] == pytest.approx((1 + 0 + math.exp(0.1)) / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout correction (--is-correction): hand-computed cases
+
+RHO = [3.0, 0.25, 1.5, 6.0]          # pi_prox / mu of four tokens of one sequence
+
+
+def correction_case():
+    """One sequence of four tokens and a second whose last two tokens are masked; prox - old = log RHO."""
+    prox = torch.full((2, 4), -1.0, dtype=torch.float64)
+    old = prox - torch.tensor([[math.log(x) for x in RHO]] * 2, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    return prox, old, mask
+
+
+@pytest.mark.parametrize("mode, level, want_w, want_corrected", [
+    ("tis", "token", [2.0, 0.25, 1.5, 2.0], [1, 0, 0, 1]),            # truncated at 2
+    ("mis", "token", [0.0, 0.0, 1.5, 0.0], [1, 1, 0, 1]),             # kept inside [1/2, 2], weight rho
+    ("icepop", "token", [1.0, 0.0, 1.0, 0.0], [0, 1, 0, 1]),          # kept inside [0.5, 5], weight 1
+    ("tis", "sequence", [2.0] * 4, [1] * 4),                          # 3 * 0.25 * 1.5 * 6 = 6.75 -> 2
+    ("mis", "sequence", [0.0] * 4, [1] * 4),                          # 6.75 > 2: the sequence dropped
+    ("icepop", "sequence", [0.0] * 4, [1] * 4),                       # 6.75 > 5
+])
+def test_rollout_correction_by_hand(mode, level, want_w, want_corrected):
+    from losses import rollout_correction
+    prox, old, mask = correction_case()
+    m = mask != 0
+    w, corrected = rollout_correction(torch.where(m, prox, 0.0), torch.where(m, old, 0.0), m, mode, level)
+    torch.testing.assert_close(w[0], torch.tensor(want_w, dtype=torch.float64))
+    assert corrected[0].tolist() == [bool(x) for x in want_corrected]
+    assert w[1, 2:].tolist() == [0.0, 0.0] and not corrected[1, 2:].any()   # masked tokens: nothing
+    if level == "sequence":      # the second sequence's ratio is 3 * 0.25 = 0.75: kept by all three
+        assert w[1, :2].tolist() == pytest.approx([{"tis": 0.75, "mis": 0.75, "icepop": 1.0}[mode]] * 2)
+
+
+def test_ppo_with_tis_correction_is_ppo_against_pi_prox_times_the_truncated_weight():
+    prox, old, mask = correction_case()
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    # pi = pi_prox: the PPO ratio against pi_prox is 1 (unclipped), however far mu is
+    loss, grad, m = run("ppo", prox, old, prox, adv, mask, is_correction="tis", is_cap=2.0)
+    w = torch.tensor([[2.0, 0.25, 1.5, 2.0], [2.0, 0.25, 0.0, 0.0]], dtype=torch.float64)
+    A = torch.tensor([[1.0] * 4, [-1.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, -w * A / 6)                     # token-mean over 6 tokens, dr/dlogp = 1
+    assert loss.item() == pytest.approx((-(2 + 0.25 + 1.5 + 2) + (2 + 0.25)) / 6)
+    assert m["ratio_mean"] == pytest.approx(1.0) and m["clip_frac"] == 0.0    # the ratio is pi / pi_prox
+    rhos = RHO + RHO[:2]
+    assert m["mismatch_kl"] == pytest.approx(sum(x - 1 - math.log(x) for x in rhos) / 6)
+    assert m["is_corrected_frac"] == pytest.approx(3 / 6) and m["is_weight_max"] == 2.0
+    # without the correction, plain ppo against mu clips 3 of these tokens: the two differ
+    _, plain, _ = run("ppo", prox, old, prox, adv, mask)
+    assert not torch.allclose(plain, grad)
+
+
+def test_decoupled_ppo_with_icepop_takes_the_mask_as_its_behaviour_weight():
+    prox, old, mask = correction_case()
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    _, grad, m = run("decoupled_ppo", prox, old, prox, adv, mask, is_correction="icepop")
+    keep = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, -keep / 6)                      # w: 1 kept, 0 dropped (not pi_prox / mu)
+    assert m["is_weight_mean"] == pytest.approx(3 / 6)
+
+
+def test_correction_needs_prox_logp_and_checks_its_settings():
+    with pytest.raises(ValueError, match="--is-correction tis needs prox_logp"):
+        compute_policy_loss(*batch_args(), "ppo", is_correction="tis")
+    logp, old, adv, mask = batch_args()
+    for bad in (dict(is_correction="clip"), dict(is_level="batch"), dict(is_cap=1.0),
+                dict(icepop_low=1.5), dict(icepop_high=0.9)):
+        with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+            compute_policy_loss(logp, old, adv, mask, "ppo", prox_logp=old, **bad)

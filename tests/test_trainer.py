@@ -187,3 +187,19 @@ def test_fsdp_ranks_with_uneven_shards_run_the_same_passes(tiny_model_dir, tmp_p
     assert [g["updates"] for g in got] == [2, 2, 2]
     for k, v in got[0]["weights"].items():
         assert all(torch.equal(v, g["weights"][k]) for g in got[1:]), k
+
+
+def test_is_correction_weighs_the_trainer_against_the_engines_logprobs(tiny_model_dir):
+    """--is-correction: pi_prox is computed before the update and weighed against the samples' engine
+    logprobs: nothing to correct when they agree, truncation when the engine's are off by log 3."""
+    import dataclasses
+    samples = make_samples(tiny_model_dir)
+    cfg = TrainConfig(loss="ppo", is_correction="tis", is_cap=2.0)
+    on = Trainer(str(tiny_model_dir), cfg).train_step(samples, [1.0, -1.0, 1.0, -1.0])
+    assert on["mismatch_kl"] < 1e-6 and on["is_corrected_frac"] == 0.0
+    stale = [dataclasses.replace(s, logprobs=[lp - math.log(3.0) for lp in s.logprobs]) for s in samples]
+    off = Trainer(str(tiny_model_dir), cfg).train_step(stale, [1.0, -1.0, 1.0, -1.0])
+    assert off["is_corrected_frac"] == 1.0 and off["is_weight_max"] == pytest.approx(2.0)
+    assert off["mismatch_kl"] == pytest.approx(3.0 - 1.0 - math.log(3.0), rel=1e-4)
+    with pytest.raises(ValueError, match="--is-correction tis.*--recompute-old-logprobs"):
+        TrainConfig(is_correction="tis", recompute_old_logprobs=True)
