@@ -72,7 +72,8 @@ def _fsdp_worker(rank, world, port, model_dir, samples, adv, out):
     named = tr.full_state()
     if rank == 0:
         torch.save(dict(named), out)
-    dist.destroy_process_group()
+    dist.barrier()               # every rank done before any tears the group down (a rank that
+    dist.destroy_process_group()  # left first once died in gloo's teardown: SIGABRT)
 
 
 def test_fsdp2_two_ranks_matches_single_process(tiny_model_dir, tmp_path):
@@ -171,7 +172,8 @@ def _uneven_worker(rank, world, port, model_dir, samples, adv, out):
     for _ in range(2):
         m = tr.train_step(samples[rank::world], adv[rank::world])
     torch.save({"weights": dict(tr.full_state()), "updates": m["num_updates"]}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    dist.barrier()               # every rank done before any tears the group down (a rank that
+    dist.destroy_process_group()  # left first once died in gloo's teardown: SIGABRT)
 
 
 def test_fsdp_ranks_with_uneven_shards_run_the_same_passes(tiny_model_dir, tmp_path):
