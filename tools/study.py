@@ -60,8 +60,9 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
-    trainer = Trainer(model_dir, TrainConfig(loss=loss, lr=args.lr, mini_batches=args.mini_batches,
-                                             seed=seed))
+    base, _, correction = loss.partition("+")         # "ppo+tis": --loss ppo --is-correction tis
+    trainer = Trainer(model_dir, TrainConfig(loss=base, is_correction=correction or "none", lr=args.lr,
+                                             mini_batches=args.mini_batches, seed=seed))
     version = proxy.version + 1                       # the engine back to the initial weights
     await proxy.suspend("keep")
     await push([proxy], sender, initial, version)     # generation 0 of sender's group, as the syncs below
@@ -106,12 +107,18 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
             "samples": sum(r["num_samples"] for r in rows), "wall_s": time.monotonic() - t_start}
 
 
+def order_of(loss: str) -> tuple:
+    """Tables and plots list the losses in LOSSES' order, each with its corrections after it."""
+    base, _, correction = loss.partition("+")
+    return (LOSSES.index(base) if base in LOSSES else len(LOSSES), correction)
+
+
 def table(runs: list[dict]) -> str:
     """Markdown: per (loss, ratio, order), mean +- std over seeds."""
     def ms(xs):
         return f"{statistics.fmean(xs):.3f} +- {statistics.pstdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
     keys = sorted({(r["loss"], r["async_ratio"], r["sample_order"]) for r in runs},
-                  key=lambda k: (LOSSES.index(k[0]) if k[0] in LOSSES else 99, k[2] != "oldest", k[1]))
+                  key=lambda k: (order_of(k[0]), k[2] != "oldest", k[1]))
     out = ["| loss | async ratio | order | seeds | eval mean@k | eval greedy | train reward (last 10) | "
            "staleness mean / max | clip frac | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for loss, ratio, order in keys:
@@ -130,7 +137,7 @@ def plot(runs: list[dict], path: Path, start: float):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    losses = [x for x in LOSSES if any(r["loss"] == x for r in runs)]
+    losses = sorted({r["loss"] for r in runs}, key=order_of)
     ratios = sorted({r["async_ratio"] for r in runs})
     width = 0.8 / max(len(losses), 1)
     for i, loss in enumerate(losses):
@@ -223,7 +230,9 @@ async def main(args):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--losses", type=lambda x: x.split(","), default=list(LOSSES), help="comma-separated")
+    ap.add_argument("--losses", type=lambda x: x.split(","), default=list(LOSSES),
+                    help="comma-separated; LOSS+CORRECTION adds --is-correction (e.g. ppo+tis, "
+                         "decoupled_ppo+icepop)")
     ap.add_argument("--ratios", type=lambda x: [int(v) for v in x.split(",")], default=list(RATIOS))
     ap.add_argument("--seeds", type=lambda x: [int(v) for v in x.split(",")], default=list(SEEDS))
     ap.add_argument("--order-loss", default="ppo", help="the loss of the freshest-first runs ('' = none)")
