@@ -141,8 +141,8 @@ def compute_policy_loss(
     old = torch.where(m, old_logp.detach().to(dt), 0.0)            # [B, T]
     adv = advantages.detach().to(dt)
     A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
+    prox = torch.where(m, prox_logp.detach().to(dt), 0.0) if prox_logp is not None else None   # [B, T]
     if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
-        prox = torch.where(m, prox_logp.detach().to(dt), 0.0)
         corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
                                                icepop_high)
         mismatch = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # log pi_prox / mu
@@ -159,9 +159,8 @@ def compute_policy_loss(
     elif variant == "ppo":
         loss_tok, clipped = _ppo_clip(r, A, clip_low, clip_high, dual_clip)
     elif variant == "decoupled_ppo":
-        prox = torch.where(m, prox_logp.detach().to(dt), 0.0)      # [B, T]
-        is_w = ((prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # w = pi_prox / mu
-                if not correct else corr_w)                                        # (or the correction's)
+        is_w = (corr_w if correct                                                  # the correction's, or
+                else (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp())  # w = pi_prox / mu
         r_prox = (lp - prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # r' = pi / pi_prox
         inner, clipped = _ppo_clip(r_prox, A, clip_low, clip_high, dual_clip)
         if behav_weight_cap is not None:

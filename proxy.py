@@ -116,8 +116,7 @@ class VLLMEngine:
         self.llm = llm
         self.ipc_dir = ipc_dir    # this engine's ZMQ IPC sockets (VLLM_RPC_BASE_PATH), removed at shutdown
         self.adapter_config: dict | None = None    # LoRA: the adapter's adapter_config.json content
-        self.lora_request = None  # LoRA: the adapter every request names...
-        self.adapter_loaded = False   # ...once the engine has it (from its dir, or from a weight sync)
+        self.lora_request = None  # LoRA: the adapter every request names, once the engine holds one
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
@@ -170,19 +169,18 @@ class VLLMEngine:
         return engine
 
     def use_adapter(self, config: dict, adapter_dir: str = ""):
-        """LoRA: requests name the engine's adapter (lora.ADAPTER_ID) from now on, loaded from
-        adapter_dir at the first request; without a dir, from the first weight sync."""
+        """LoRA: requests name the engine's adapter (lora.ADAPTER_ID): the one in adapter_dir, loaded
+        at the first request; without a dir, none (the base model) until the first weight sync."""
+        self.adapter_config = config
+        if adapter_dir:
+            self.lora_request = self._adapter_request(adapter_dir)
+
+    @staticmethod
+    def _adapter_request(path: str):
         from vllm.lora.request import LoRARequest
 
         import lora
-        self.adapter_config = config
-        # (vLLM wants a path even for an adapter its workers already hold; this one says where it came from)
-        self.lora_request = LoRARequest(lora.ADAPTER_NAME, lora.ADAPTER_ID, adapter_dir or "(weight sync)")
-        self.adapter_loaded = bool(adapter_dir)
-
-    @property
-    def _adapter(self):
-        return self.lora_request if self.adapter_loaded else None
+        return LoRARequest(lora.ADAPTER_NAME, lora.ADAPTER_ID, path)
 
     @classmethod
     def _start(cls, args) -> "VLLMEngine":
@@ -220,7 +218,7 @@ class VLLMEngine:
         prompt = {"prompt_token_ids": prompt_token_ids}
         if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
             prompt["cache_salt"] = cache_salt
-        async for out in self.llm.generate(prompt, params, request_id, lora_request=self._adapter):
+        async for out in self.llm.generate(prompt, params, request_id, lora_request=self.lora_request):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
             yield list(o.token_ids), lps, (o.finish_reason if out.finished else None)
@@ -252,8 +250,9 @@ class VLLMEngine:
         from lora import is_adapter_tensor
         adapter = self.adapter_config if meta and all(is_adapter_tensor(m[0]) for m in meta) else None
         out = await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta, adapter))
-        if adapter is not None:
-            self.adapter_loaded = True                   # every worker holds it now
+        if adapter is not None and self.lora_request is None:      # every worker holds it now
+            # (vLLM wants a path even for an adapter its workers hold; this one says where it came from)
+            self.lora_request = self._adapter_request("(weight sync)")
         return out
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
@@ -266,7 +265,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                           f"score-{time.monotonic_ns()}", lora_request=self._adapter):
+                                           f"score-{time.monotonic_ns()}", lora_request=self.lora_request):
             final = out
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 

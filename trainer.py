@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import lora as lora_mod
+import lora as lora_mod      # (Trainer's own `lora` is its LoraConfig)
 import losses
 from buffer import Sample
 from config import flag, opt
-from lora import LoraConfig
 
 # a micro-batch with nothing to learn (FSDP padding)
 EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
@@ -116,7 +115,7 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
-                 lora: LoraConfig | None = None, adapter_dir: str = ""):
+                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = ""):
         """lora with lora_rank > 0: train a PEFT adapter on the frozen model (adapter_dir: start from
         that saved adapter, a --resume); its tensors are then all that named_weights() and the
         checkpoints hold."""

@@ -9,20 +9,22 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import LoraConfig, check_lora, is_adapter_tensor
 from trainer import TrainConfig, Trainer, collate, token_logprobs
-from test_trainer import free_port, make_samples
+from test_trainer import _fsdp_worker, free_port, make_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADV = [1.0, -1.0, 1.0, -1.0]
 
 
-def lora_trainer(model_dir, rank=8, group=None, adapter_dir="", lr=1e-2):
-    return Trainer(str(model_dir), TrainConfig(loss="ppo", lr=lr, warmup_steps=0), group,
-                   lora=LoraConfig(lora_rank=rank), adapter_dir=adapter_dir)
+TRAIN_KW = dict(loss="ppo", lr=1e-2, warmup_steps=0)       # adapters want a large step
+
+
+def lora_trainer(model_dir, adapter_dir=""):
+    return Trainer(str(model_dir), TrainConfig(**TRAIN_KW), lora=LoraConfig(lora_rank=8),
+                   adapter_dir=adapter_dir)
 
 
 def seq_logprobs(model, samples) -> torch.Tensor:
@@ -82,25 +84,14 @@ def test_only_the_adapter_trains_and_is_what_the_engines_get(tiny_model_dir):
     assert sum(s["exp_avg"].numel() for s in state.values()) == num_adapter    # optimizer state: adapter only
 
 
-def _fsdp_lora_worker(rank, world, port, model_dir, samples, adv, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    tr = lora_trainer(model_dir, group=dist.group.WORLD)
-    tr.train_step(samples[rank::world], adv[rank::world])
-    named = tr.full_state()
-    if rank == 0:
-        torch.save(dict(named), out)
-    dist.barrier()               # every rank done before any tears the group down (a rank that
-    dist.destroy_process_group()  # left first once died in gloo's teardown: SIGABRT)
-
-
 def test_fsdp2_two_ranks_train_the_same_adapter_as_one_process(tiny_model_dir, tmp_path):
     samples = make_samples(tiny_model_dir)
     single = lora_trainer(tiny_model_dir)
     single.train_step(samples, ADV)
     ref = dict(single.full_state())
     out = tmp_path / "fsdp.pt"
-    mp.spawn(_fsdp_lora_worker, args=(2, free_port(), str(tiny_model_dir), samples, ADV, str(out)), nprocs=2)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(tiny_model_dir), samples, ADV, str(out), TRAIN_KW, 8),
+             nprocs=2)
     got = torch.load(out)
     assert set(got) == set(ref) and all(is_adapter_tensor(n) for n in got)
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5

@@ -64,10 +64,13 @@ def test_train_step_moves_logprobs_along_advantages(tiny_model_dir):
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["grad_norm"] > 0
 
 
-def _fsdp_worker(rank, world, port, model_dir, samples, adv, out):
+def _fsdp_worker(rank, world, port, model_dir, samples, adv, out, train_kw=None, lora_rank=0):
+    """One of `world` FSDP2 ranks trains its shard once; rank 0 saves the full weights (or adapter)."""
+    from lora import LoraConfig
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tr = Trainer(model_dir, TrainConfig(loss="ppo", lr=1e-3), dist.group.WORLD)
+    tr = Trainer(model_dir, TrainConfig(**(train_kw or dict(loss="ppo", lr=1e-3))), dist.group.WORLD,
+                 lora=LoraConfig(lora_rank=lora_rank))
     tr.train_step(samples[rank::world], adv[rank::world])
     named = tr.full_state()
     if rank == 0:

@@ -223,8 +223,13 @@ def lockstep(args, seed: int) -> dict:
             finally:
                 proxy.leave()
 
-        async def rollouts():
-            return await asyncio.gather(*(one(t, i) for i, t in enumerate(tasks)))
+        async def rollouts():     # (every env call has its deadline; this bounds the step as a whole)
+            try:
+                async with asyncio.timeout(args.timeout_s):
+                    return await asyncio.gather(*(one(t, i) for i, t in enumerate(tasks)))
+            except TimeoutError:
+                raise SystemExit(f"bench_e2e: lockstep, seed {seed}, step {step + 1}: the rollouts took "
+                                 f"longer than --timeout-s {args.timeout_s:g} s") from None
 
         samples = asyncio.run(rollouts())
         groups = [samples[g * G:(g + 1) * G] for g in range(B)]
@@ -360,6 +365,7 @@ if __name__ == "__main__":
     ap.add_argument("--runs", nargs="+", help="only these (default: all of the workload's; ratios need both "
                     "sides)")
     ap.add_argument("--out-dir", default="runs/bench_e2e")
-    ap.add_argument("--timeout-s", type=float, default=1200, help="per system run")
+    ap.add_argument("--timeout-s", type=float, default=1200, help="per system run, and per lockstep step's "
+                    "rollouts")
     ap.add_argument("--verbose", action="store_true")
     main(ap.parse_args())

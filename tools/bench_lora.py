@@ -31,14 +31,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from tools.bench_weight_sync import RUNS
 from tools.jobs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository root
-MODELS = {   # name -> (train.py args, model dir or None for the embedded default)
-    "103M": (["--batch-groups", "2", "--group-size", "4", "--max-tokens", "4", "--no-filter-groups"],
-             ".cache/qwen2-103m"),
-    "tiny": ([], None),
-}
+# name -> (train.py args, model dir or None for the embedded default): bench_weight_sync's two runs
+MODELS = {"103M": RUNS["103M"], "tiny": RUNS["default"]}
 
 
 def run(args, model: str, rank: int, out: Path) -> dict:
