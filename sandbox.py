@@ -48,9 +48,13 @@ if a["netns"] is not False and libc.unshare(0x10000000 | 0x40000000 | 0x20000000
 if a["netns"] is None:  # mechanism()'s probe
     sys.exit(0)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# _Run.stop()'s SIGTERM waits (blocked) until the handler below knows the child's pid: one arriving right
+# after the fork would otherwise kill stage 1 unreaped-child-and-all, leaving pid 1 to the host's init
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 pid = os.fork()
 if pid == 0:  # pid 1 of the new namespace; ctypes and this code are gone after the exec
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (a blocked mask survives exec)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if stage 1 is killed, so is pid 1 (and its ns)
         for name, limit in a["rlimits"]:  # soft = hard, so the code cannot raise them again
             hard = resource.getrlimit(getattr(resource, name))[1]
@@ -61,6 +65,7 @@ if pid == 0:  # pid 1 of the new namespace; ctypes and this code are gone after 
         os.write(2, f"sandbox: stage 1: {e!r}".encode())
         os._exit(127)
 signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))  # _Run.stop(): kill, then reap below
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})       # (one that came meanwhile runs it now)
 os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # not reaped yet, so the handler cannot hit a reused pid
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 status = os.waitpid(pid, 0)[1]
