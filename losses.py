@@ -142,6 +142,7 @@ def compute_policy_loss(
     adv = advantages.detach().to(dt)
     A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
     prox = torch.where(m, prox_logp.detach().to(dt), 0.0) if prox_logp is not None else None   # [B, T]
+    mu = old                                                       # [B, T] the engine's, for approx_kl
     if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
         corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
                                                icepop_high)
@@ -197,6 +198,7 @@ def compute_policy_loss(
 
     with torch.no_grad():
         count = m.sum().clamp(min=1)
+        log_r_mu = (lp - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T] log pi / mu
 
         def mean(x):  # masked mean over the batch, as a Python float
             return (torch.where(m, x, 0.0).sum() / count).item()
@@ -206,7 +208,7 @@ def compute_policy_loss(
             "ratio_mean": mean(r),
             "ratio_max": torch.where(m, r, 0.0).max().item() if m.numel() else 0.0,
             "is_weight_mean": mean(is_w),
-            "approx_kl": mean(r - 1.0 - log_r),
+            "approx_kl": mean(log_r_mu.exp() - 1.0 - log_r_mu),     # mu: the engine's, also when corrected
             "behav_capped_frac": mean(capped.to(r.dtype)),
         }
         if correct:   # k3 estimate of KL(mu || pi_prox): the engine/trainer mismatch, staleness included

@@ -557,9 +557,23 @@ def test_ppo_with_tis_correction_is_ppo_against_pi_prox_times_the_truncated_weig
     rhos = RHO + RHO[:2]
     assert m["mismatch_kl"] == pytest.approx(sum(x - 1 - math.log(x) for x in rhos) / 6)
     assert m["is_corrected_frac"] == pytest.approx(3 / 6) and m["is_weight_max"] == 2.0
+    # approx_kl stays KL(mu || pi) under a correction (here pi = pi_prox, so it is the mismatch), not 0
+    assert m["approx_kl"] == pytest.approx(m["mismatch_kl"]) and m["approx_kl"] > 0.1
     # without the correction, plain ppo against mu clips 3 of these tokens: the two differ
     _, plain, _ = run("ppo", prox, old, prox, adv, mask)
     assert not torch.allclose(plain, grad)
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "icepop"])
+def test_ppo_and_decoupled_ppo_are_one_objective_under_a_correction(mode):
+    """Both become PPO clipped against pi_prox times the correction's weight (the study runs ppo+X only)."""
+    prox, old, mask = correction_case()
+    logp = prox + torch.tensor([[0.3, -0.4, 0.1, 0.5], [-0.2, 0.35, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss_a, grad_a, _ = run("ppo", logp, old, prox, adv, mask, is_correction=mode)
+    loss_b, grad_b, _ = run("decoupled_ppo", logp, old, prox, adv, mask, is_correction=mode)
+    torch.testing.assert_close(grad_a, grad_b)
+    assert loss_a.item() == pytest.approx(loss_b.item()) and grad_a.abs().sum() > 0
 
 
 def test_decoupled_ppo_with_icepop_takes_the_mask_as_its_behaviour_weight():
