@@ -166,8 +166,10 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir,
-                         tokenizer.encode(PROBE_TEXT))
+    attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
+    # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
+    ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir, tokenizer.encode(PROBE_TEXT),
+                         store=dist.PrefixStore(f"{attempt}/trainer-ranks", store), timeout_s=timeout)
     if rank != 0:
         return ranks.follow()
 
@@ -185,7 +187,7 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
     ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
     # the weight-sync group meets on the default group's store; engines receive in their own dtype
     ranks.sender = Sender(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), store=store,
-                          prefix=f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                          prefix=attempt,
                           backend="nccl" if device.startswith("cuda") else "gloo", device=device,
                           timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20)
     meta = weight_meta(trainer.named_weights(), cfg.rollout.dtype)
@@ -279,7 +281,7 @@ def init_distributed(cfg: Config):
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
         engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)]) if rank >= cfg.train_gpus else ""
-    # the default group's TCPStore: the weight-sync group meets there
+    # the default group's TCPStore: the weight-sync group meets there, and the trainer ranks' mailboxes
     return rank, world, device, engine_core, trainer_group, store.underlying_store
 
 

@@ -16,12 +16,16 @@ Details: DESIGN.md#trainerpy.
 """
 
 import errno
+import itertools
 import json
 import math
 import os
 import shutil
 import sys
+import threading
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -446,13 +450,32 @@ def collective(phase: str, fn, *args, **kwargs):
 class TrainerRanks:
     """The trainer ranks in lockstep. Rank 0 decides each op ("train", "send", "probe", "save", "stop")
     and broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives need
-    all of them. Ranks > 0 just follow()."""
+    all of them. Ranks > 0 just follow().
+
+    Between two ops a follower waits as long as rank 0 collects a batch or evaluates, which may outlast
+    --timeout-s, the group's timeout. So a follower does not wait in the op's broadcast: rank 0 first
+    posts "op" to every follower's mailbox on `store`, and from a daemon thread "beat" every
+    timeout_s / 4 (keys msg<n>/rank<r>: ops and heartbeats in one numbered sequence); a follower enters
+    the broadcast once its mailbox says "op", and fails when nothing, not even a heartbeat, came for
+    timeout_s: --timeout-s bounds a dead rank 0, not a long step. (The heartbeat shows that rank 0's
+    process lives, not that it makes progress: rank 0's own waits carry their own timeouts, and when
+    one fails it still tells the followers 'stop'.)"""
 
     def __init__(self, trainer: Trainer, num_ranks: int, group, out_dir: str, model_dir: str,
-                 probe_ids: list[int]):
+                 probe_ids: list[int], store=None, timeout_s: float = 1800.0):
         self.trainer, self.num_ranks, self.group = trainer, num_ranks, group
         self.out_dir, self.model_dir, self.probe_ids = out_dir, model_dir, probe_ids
         self.sender = None     # rank 0: weight_sync.Sender, set once the run's store is known
+        self.store, self.timeout_s = store, timeout_s     # the mailboxes; a follower's longest wait
+        if num_ranks > 1 and store is None:
+            raise ValueError("TrainerRanks: more than one trainer rank needs a store (for the mailboxes)")
+        self.posted = 0                  # rank 0: messages posted to each mailbox so far
+        self.lock = threading.Lock()     # the heartbeat thread posts too: one sequence, in order
+        self.quit = threading.Event()
+        self.heartbeat = None
+        if num_ranks > 1 and trainer.rank == 0:
+            self.heartbeat = threading.Thread(target=self._beat, name="trainer rank 0 heartbeat", daemon=True)
+            self.heartbeat.start()
 
     def train(self, batch, advantages: list[float], version: int, probe: bool):
         """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
@@ -475,16 +498,53 @@ class TrainerRanks:
         return self._run({"op": "probe"})
 
     def stop(self):
+        if self.heartbeat:        # no heartbeat after 'stop': the followers read no further
+            self.quit.set()
+            self.heartbeat.join(self.timeout_s)
         self._tell({"op": "stop"})
 
     def follow(self):
-        while True:
-            box = [None]
-            collective("waiting for trainer rank 0's next op", dist.broadcast_object_list, box, src=0,
+        for n in itertools.count():
+            if self._next_message(n) == "beat":
+                continue
+            box = [None]       # rank 0 posted "op" just before its broadcast: this wait is short
+            collective("receiving trainer rank 0's next op", dist.broadcast_object_list, box, src=0,
                        group=self.group)
             if box[0]["op"] == "stop":
                 return
             self._do(box[0])
+
+    def _next_message(self, n: int) -> str:
+        """Follower: rank 0's message n ("op" or "beat"), within timeout_s."""
+        me, t = self.trainer.rank, time.monotonic()
+        key = f"msg{n}/rank{me}"
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+            kind = self.store.get(key).decode()
+            self.store.delete_key(key)            # read once: the store does not grow with the run
+            return kind
+        except dist.DistStoreError:              # the wait timed out
+            raise RuntimeError(f"trainer rank {me}: trainer rank 0 silent for {time.monotonic() - t:.1f} s "
+                               f"(no op, no heartbeat) while waiting for its next op") from None
+        except RuntimeError as e:                # the store's host is gone (without torchrun's agent: rank 0)
+            raise RuntimeError(f"trainer rank {me}: lost the store while waiting for trainer rank 0's next "
+                               f"op (is trainer rank 0 dead?): {e}") from None
+
+    def _post(self, kind: str):
+        """Rank 0: message `kind` into every follower's mailbox."""
+        with self.lock:
+            for r in range(1, self.num_ranks):
+                self.store.set(f"msg{self.posted}/rank{r}", kind)
+            self.posted += 1
+
+    def _beat(self):
+        """Rank 0's heartbeat thread, until stop()."""
+        while not self.quit.wait(self.timeout_s / 4):
+            try:
+                self._post("beat")
+            except RuntimeError as e:     # the store is gone: the followers and this rank's next op will say
+                print(f"trainer rank 0: heartbeat stopped: {e}", file=sys.stderr, flush=True)
+                return
 
     def _run(self, op: dict):
         self._tell(op)
@@ -492,6 +552,7 @@ class TrainerRanks:
 
     def _tell(self, op: dict):
         if self.num_ranks > 1:
+            collective(f"posting '{op['op']}' to the trainer ranks' mailboxes", self._post, "op")
             collective(f"sending '{op['op']}' to the trainer ranks", dist.broadcast_object_list, [op], src=0,
                        group=self.group)
 
