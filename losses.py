@@ -21,9 +21,14 @@ Rollout correction, on top of any loss (--is-correction; rollout_correction(), t
 rho = pi_prox / mu per token, or per sequence (the product over its tokens), with pi_prox the trainer
 before this update; the loss then takes pi_prox as its own reference instead of mu, and each token's
 loss is multiplied by w: tis min(rho, cap); mis rho inside [1/cap, cap], else 0; icepop 1 inside
-[icepop_low, icepop_high], else 0. decoupled_ppo's own weight pi_prox / mu is replaced by w. The tis
-loss above stays what it is (truncated-IS REINFORCE against mu); ppo + --is-correction tis is the
-field's TIS (PPO against pi_prox, times the truncated pi_prox / mu).
+[icepop_low, icepop_high], else 0. decoupled_ppo's own weight pi_prox / mu is replaced by w, so ppo + X
+and decoupled_ppo + X are one objective. The tis loss above stays what it is (truncated-IS REINFORCE
+against mu); ppo + --is-correction tis is the field's TIS (PPO against pi_prox, times the truncated
+pi_prox / mu).
+
+ref_prox (--recompute-old-logprobs): every formula's mu above becomes pi_prox (verl's recomputed
+old_log_prob), except decoupled_ppo's, which has both roles already (pi_prox in the clip, mu in w). mu
+then enters only through decoupled_ppo's w or a correction's weight; a correction implies ref_prox.
 
 Main deviations (all of them, and the full table, in DESIGN.md): log-ratios clamped to [-20, 20];
 tis is truncated-IS REINFORCE, not on top of PPO; topr's ratio and sign split are per token;
@@ -120,6 +125,7 @@ def compute_policy_loss(
     is_cap: float = 2.0,         # tis: w <= is_cap; mis: kept inside [1 / is_cap, is_cap]
     icepop_low: float = 0.5,     # icepop: kept inside [icepop_low, icepop_high]
     icepop_high: float = 5.0,
+    ref_prox: bool = False,      # the ratio's old policy is pi_prox, not mu (--recompute-old-logprobs)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
     if variant not in VARIANTS:
@@ -129,10 +135,11 @@ def compute_policy_loss(
                   is_level=is_level, is_cap=is_cap, icepop_low=icepop_low, icepop_high=icepop_high)
     _check_shapes(logp, old_logp, advantages, mask, prox_logp)
     correct = is_correction != "none"
-    if (variant == "decoupled_ppo" or correct) and prox_logp is None:
-        raise ValueError(f"{'--is-correction ' + is_correction if correct else 'variant decoupled_ppo'} "
-                         f"needs prox_logp= (the trainer's logprobs of the sampled tokens under the weights "
-                         f"before this update)")
+    if (variant == "decoupled_ppo" or correct or ref_prox) and prox_logp is None:
+        who = (f"--is-correction {is_correction}" if correct else "ref_prox=True" if ref_prox
+               else "variant decoupled_ppo")
+        raise ValueError(f"{who} needs prox_logp= (the trainer's logprobs of the sampled tokens under the "
+                         f"weights before this update)")
 
     m = mask != 0                                                  # [B, T] bool
     dt = torch.promote_types(logp.dtype, torch.float32)            # bf16 / fp16 inputs: math in fp32
@@ -147,6 +154,7 @@ def compute_policy_loss(
         corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
                                                icepop_high)
         mismatch = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # log pi_prox / mu
+    if correct or (ref_prox and variant != "decoupled_ppo"):     # decoupled_ppo: pi_prox and mu, its own
         old = prox
     log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
     r = log_r.exp()                                                # [B, T] pi / mu

@@ -52,9 +52,9 @@ class TrainConfig(losses.LossConfig):
     mini_batches: int = opt(1, "optimizer steps per pass (the batch split into this many); "
                                "decoupled_ppo's proximal policy is frozen before the first, so its clip acts "
                                "from the second on")
-    recompute_old_logprobs: bool = opt(False, "old logprobs from the trainer before the update, not the "
-                                              "engine's sampling logprobs (the gap between the two is logged "
-                                              "either way)")
+    recompute_old_logprobs: bool = opt(False, "the ratio's old policy is the trainer before the update, not "
+                                              "the engine (mu); mu stays in decoupled_ppo's and "
+                                              "--is-correction's weights (losses table: DESIGN.md)")
     micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
 
@@ -68,9 +68,6 @@ class TrainConfig(losses.LossConfig):
                 raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.recompute_old_logprobs and self.is_correction != "none":
-            raise ValueError(f"--is-correction {self.is_correction} weighs the trainer against the engine's "
-                             f"logprobs, which --recompute-old-logprobs replaces: pass one of the two")
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -165,7 +162,8 @@ class Trainer:
         The trainer's logprobs before the first update (`pre`) are computed first, without grad,
         when the loss needs them: decoupled_ppo's proximal policy, frozen for the whole batch (so its
         clip acts from the second optimizer step on), --is-correction's pi_prox (the same role, on top
-        of any loss), or --recompute-old-logprobs (they replace the engine's as the old logprobs).
+        of any loss), or --recompute-old-logprobs (they take mu's place in the ratio; mu stays in the
+        weights: losses.compute_policy_loss's ref_prox).
         Returns metrics averaged over the optimizer steps (rank 0's: each rank reports its own shard);
         self.update_metrics keeps them per step."""
         cfg = self.cfg
@@ -189,9 +187,9 @@ class Trainer:
                     logp = token_logprobs(self.model, t["input_ids"], t["attn"])          # [B, T], with grad
                     if epoch == 0 and (j == 0 or "pre" in t):   # trainer logprobs before any update: the gap
                         add_gap(gap, t, t.get("pre", logp.detach()))
-                    old = t["pre"] if cfg.recompute_old_logprobs else t["old_logp"]
-                    loss, m = losses.compute_policy_loss(logp, old, t["adv"], t["mask"], cfg.loss,
-                                                         prox_logp=t.get("pre"), **kw)
+                    loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
+                                                         prox_logp=t.get("pre"),
+                                                         ref_prox=cfg.recompute_old_logprobs, **kw)
                     # weights: the step's loss is the mini-batch's token-mean
                     (loss * t["weight"]).backward()
                     for k, v in {"loss": loss.item(), **m}.items():

@@ -576,6 +576,31 @@ def test_ppo_and_decoupled_ppo_are_one_objective_under_a_correction(mode):
     assert loss_a.item() == pytest.approx(loss_b.item()) and grad_a.abs().sum() > 0
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ref_prox_puts_pi_prox_where_each_formula_has_mu(variant):
+    """--recompute-old-logprobs: the ratio's old policy is pi_prox; decoupled_ppo keeps mu in its weight;
+    reinforce has no old policy; a correction already implies it."""
+    prox, old, mask = correction_case()                # mu = old, 0.5x to 4x away from pi_prox per token
+    logp = prox + torch.tensor([[0.3, -0.4, 0.1, 0.5], [-0.2, 0.35, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    _, ref, _ = run(variant, logp, old, prox, adv, mask, ref_prox=True)
+    _, against_mu, _ = run(variant, logp, old, prox, adv, mask)
+    _, against_prox, _ = run(variant, logp, prox, prox, adv, mask)      # mu replaced by pi_prox outright
+    if variant == "reinforce":
+        torch.testing.assert_close(ref, against_mu)
+    elif variant == "decoupled_ppo":                   # w = pi_prox / mu stays (it would be 1 against prox)
+        torch.testing.assert_close(ref, against_mu)
+        assert not torch.allclose(ref, against_prox)
+    else:
+        torch.testing.assert_close(ref, against_prox)
+        assert not torch.allclose(ref, against_mu)
+    _, corrected, _ = run(variant, logp, old, prox, adv, mask, is_correction="tis")
+    _, both, _ = run(variant, logp, old, prox, adv, mask, is_correction="tis", ref_prox=True)
+    torch.testing.assert_close(both, corrected)
+    with pytest.raises(ValueError, match="ref_prox=True needs prox_logp"):
+        compute_policy_loss(logp, old, adv, mask, variant, ref_prox=True)
+
+
 def test_decoupled_ppo_with_icepop_takes_the_mask_as_its_behaviour_weight():
     prox, old, mask = correction_case()
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)

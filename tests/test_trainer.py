@@ -151,6 +151,18 @@ def test_recompute_old_logprobs_replaces_the_engines(tiny_model_dir):
     assert recomputed["logp_diff_all"] == pytest.approx(0.5, abs=1e-4)
 
 
+def test_recompute_keeps_mu_in_decoupled_ppos_weight(tiny_model_dir):
+    """--recompute-old-logprobs moves the ratio to pi_prox, but decoupled_ppo's w = pi_prox / mu keeps
+    the engine's mu (it used to become pi_prox / pi_prox = 1, discarding the behaviour policy)."""
+    samples = make_samples(tiny_model_dir, n=4)
+    for s in samples:
+        s.logprobs = [lp - 0.5 for lp in s.logprobs]          # mu 0.5 nats under the trainer on every token
+    cfg = TrainConfig(loss="decoupled_ppo", recompute_old_logprobs=True)
+    out = Trainer(str(tiny_model_dir), cfg).train_step(samples, [1.0, -1.0, 1.0, -1.0])
+    assert out["is_weight_mean"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert out["approx_kl"] == pytest.approx(math.exp(0.5) - 1 - 0.5, rel=1e-3)     # KL(mu || pi): mu's
+
+
 def test_logprob_gap_separates_staleness_from_mismatch(tiny_model_dir):
     """Samples wholly of the trainer's version are on-policy: their gap is numerical mismatch only
     (here ~0: same weights, float32); the stale half carries the policy lag."""
@@ -206,5 +218,6 @@ def test_is_correction_weighs_the_trainer_against_the_engines_logprobs(tiny_mode
     off = Trainer(str(tiny_model_dir), cfg).train_step(stale, [1.0, -1.0, 1.0, -1.0])
     assert off["is_corrected_frac"] == 1.0 and off["is_weight_max"] == pytest.approx(2.0)
     assert off["mismatch_kl"] == pytest.approx(3.0 - 1.0 - math.log(3.0), rel=1e-4)
-    with pytest.raises(ValueError, match="--is-correction tis.*--recompute-old-logprobs"):
-        TrainConfig(is_correction="tis", recompute_old_logprobs=True)
+    both = Trainer(str(tiny_model_dir), dataclasses.replace(cfg, recompute_old_logprobs=True)).train_step(
+        stale, [1.0, -1.0, 1.0, -1.0])                    # the flag and a correction combine: mu still weighs
+    assert both["is_corrected_frac"] == 1.0 and both["mismatch_kl"] == pytest.approx(off["mismatch_kl"])
