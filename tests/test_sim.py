@@ -139,3 +139,23 @@ def test_the_committed_table_is_what_the_simulator_prints(name, tmp_path, monkey
     got = (tmp_path / f"{name}.md").read_text().splitlines()
     timeless = lambda lines: [x for x in lines if "s of real time" not in x]
     assert timeless(got) == timeless(committed), f"results/{name}.md is stale: run python -m tools.sim all"
+
+
+def test_weight_sync_time_is_the_models_bytes_over_the_link():
+    """One sync = bytes / link bandwidth (broadcast) + bytes / load bandwidth: proportional to the model's
+    size, slower across nodes than within one, and what every fake engine of the run sleeps for."""
+    one_node = replace(sim.RLVR, rollout_gpus=4, train_gpus=4)
+    two_nodes = replace(sim.RLVR, rollout_gpus=8, train_gpus=8)
+    bcast, load = sim.weight_sync_s(two_nodes)
+    assert sim.model_gb(two_nodes) == pytest.approx(16.4)          # 8.2e9 parameters x 2 bytes (bfloat16)
+    assert bcast == pytest.approx(16.4 / sim.INTER_NODE_GB_S)
+    assert load == pytest.approx(16.4 / sim.LOAD_GB_S)
+    assert sim.weight_sync_s(one_node)[0] == pytest.approx(16.4 / sim.INTRA_NODE_GB_S)
+    assert sim.weight_sync_s(one_node)[0] < bcast
+    big = sim.weight_sync_s(replace(two_nodes, params=4 * two_nodes.params))            # 32B-class
+    assert big == pytest.approx((4 * bcast, 4 * load))
+    assert sim.weight_sync_s(replace(two_nodes, dtype="float32")) == pytest.approx((2 * bcast, 2 * load))
+    assert sim.weight_sync_s(sim.colocated(sim.RLVR, 16)) == pytest.approx((bcast, load))   # 16 GPUs: 2 nodes
+    engine = sim.sim_engine(two_nodes, sim.Workload(two_nodes), seed=0)
+    assert engine.load_s == pytest.approx(bcast + load)
+    assert "0.66 s across nodes" in sim.sync_note(two_nodes)

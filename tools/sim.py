@@ -20,8 +20,10 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
 - weight sync: the real protocol (controller.sync_weights, EnvManager._sync) with no group: the
   engine is paused for the whole transfer, as in the paper, so the fake engine's receive_weights
-  sleeps broadcast_s + load_s while suspended and counts the load, and the trainer's send waits
-  until every engine has the new weights (as weight_sync.py's broadcast holds the trainer);
+  sleeps broadcast + load while suspended and counts the load, and the trainer's send waits until
+  every engine has the new weights (as weight_sync.py's broadcast holds the trainer). Both times come
+  from the model's bytes (weight_sync_s): over NVLink within one node, over the inter-node link when
+  the run spans nodes, then the engine's load; every table prints what it assumed (sync_note);
 - engines: fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
   budget of kv_tokens (admission while the blocks fit, preemption + recompute when they run out),
   step time t0 + k * running + k_ctx * context tokens + k_prefill * prefilled tokens; the
@@ -62,7 +64,8 @@ Simplifications (all deliberate; each is documented at its constant):
   prefills its prompt), recompute-only preemption (fake_engine.py);
 - the EnvManager polls every poll_s = 1 s of virtual time (the real one: 10 ms) so 128 managers
   don't spend the run polling; an idle manager picks up tasks and sync commands <= 1 s late;
-- the colocated baseline pays the same weight-sync time as a split run (no offload cost).
+- the colocated baseline pays the same weight-sync time as a split run on as many GPUs (no offload
+  cost).
 """
 
 import argparse
@@ -173,9 +176,9 @@ class SimConfig:
                                     # logprob passes (4 x 8.2e9) = 82 GFLOP/token, i.e. 36% of a 989 TFLOP/s
                                     # GPU, a usual training MFU
     train_overhead_s: float = 3.0   # per step: optimizer step + gathering full weights
-    broadcast_s: float = 2.0        # weight broadcast to the engines (paused for it): 16 GB over NCCL
-                                    # (~50 GB/s IB) + bucketing
-    load_s: float = 1.0             # engine weight load
+    # weight sync (weight_sync_s; link bandwidths in WEIGHT SYNC below)
+    params: float = 8.2e9           # parameters of the synced model (Qwen3-8B; Qwen3-32B: 32.8e9)
+    dtype: str = "bfloat16"         # the engine's weights, what a sync sends (RolloutConfig.dtype)
     # run
     steps: int = 4                  # training steps (synchronous end-to-end runs: steps - 2, no pipeline
                                     # to fill)
@@ -183,6 +186,52 @@ class SimConfig:
     seed: int = 0
     poll_s: float = 1.0             # EnvManager poll period, virtual seconds (real: 0.01; see docstring)
     timeout_s: float = 3600.0       # every wait (queues, acks, env calls), virtual seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# WEIGHT SYNC: the model's bytes over the run's slowest link, then the engine's load. The paper's hardware
+# is nodes of 8 H800/H100 GPUs; each value is the slow end of what that hardware does, so no table leans
+# on a fast network. GB = 1e9 bytes.
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}   # bytes per parameter
+GPUS_PER_NODE = 8                   # an HGX H800/H100 node
+INTRA_NODE_GB_S = 150.0             # NCCL broadcast over NVLink within a node: the H800's NVLink is 400 GB/s
+                                    # bidirectional, 200 GB/s each way (the H100's: 900, 450; NVIDIA's
+                                    # datasheets); NCCL's broadcast bus bandwidth reaches ~75-90% of one
+                                    # direction, 150 GB/s is its low end on the slower H800
+INTER_NODE_GB_S = 25.0              # NCCL broadcast across nodes, bounded by one NIC: a 200 Gb/s HDR
+                                    # InfiniBand / RoCE NIC at line rate, or half of a 400 Gb/s NDR /
+                                    # ConnectX-7 one; NCCL can stripe its channels over a node's 4-8 NICs,
+                                    # so a real cluster is often faster
+LOAD_GB_S = 16.0                    # the engine's load of the received tensors (vLLM load_weights): they
+                                    # are on its GPU already, so per-tensor Python weight loaders (~400
+                                    # tensors for Qwen3-8B, QKV and gate/up fused) and a device copy. Assumed,
+                                    # not measured here: ~1 s for 8B, the load_s this replaced; a
+                                    # reload of Qwen3-8B from its checkpoint files takes 3.5 s on an H200
+                                    # (vLLM PR #49459), which also reads the files and crosses PCIe
+
+
+def model_gb(cfg) -> float:
+    return cfg.params * DTYPE_BYTES[cfg.dtype] / 1e9
+
+
+def weight_sync_s(cfg) -> tuple[float, float]:
+    """(broadcast, load) seconds of one weight sync, the engines paused for both. A pipelined (ring / chain)
+    NCCL broadcast of a message this large takes bytes / the slowest link's bandwidth, however many engines
+    receive it: NVLink when the run's GPUs fit one node, the inter-node link when it spans nodes (then some
+    engines are on another node than the trainer's sender). A colocated run's GPUs are rollout_gpus."""
+    gpus = cfg.rollout_gpus if cfg.colocated else cfg.rollout_gpus + cfg.train_gpus
+    link = INTRA_NODE_GB_S if gpus <= GPUS_PER_NODE else INTER_NODE_GB_S
+    return model_gb(cfg) / link, model_gb(cfg) / LOAD_GB_S
+
+
+def sync_note(cfg) -> str:
+    """The weight-sync assumption, as the tables print it."""
+    gb, load = model_gb(cfg), model_gb(cfg) / LOAD_GB_S
+    return (f"weight sync (engines paused): {gb:.1f} GB ({cfg.params / 1e9:.3g}B parameters in "
+            f"{cfg.dtype}) at {INTRA_NODE_GB_S:.0f} GB/s intra-node = {gb / INTRA_NODE_GB_S:.2f} s on one "
+            f"{GPUS_PER_NODE}-GPU node, at {INTER_NODE_GB_S:.0f} GB/s inter-node = "
+            f"{gb / INTER_NODE_GB_S:.2f} s across nodes; + load at {LOAD_GB_S:.0f} GB/s = {load:.2f} s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +337,7 @@ def sim_engine(cfg: SimConfig, workload: Workload, seed: int) -> FakeTimedEngine
     return FakeTimedEngine(t0=c * cfg.t0, k=c * cfg.k, k_ctx=c * c * cfg.k_ctx, k_prefill=c * cfg.k_prefill,
                            kv_tokens=cfg.kv_tokens // c, block_size=max(1, cfg.block_size // c),
                            max_num_seqs=cfg.max_num_seqs, length_of_prompt=workload.length_of_prompt,
-                           load_s=cfg.broadcast_s + cfg.load_s, seed=seed)   # suspended for the transfer too
+                           load_s=sum(weight_sync_s(cfg)), seed=seed)   # suspended for the transfer too
 
 
 def train_time(cfg: SimConfig, tokens: float, gpus: int) -> float:
@@ -748,9 +797,10 @@ EXPERIMENTS = {"queue": (exp_queue, RLVR), "replication": (exp_replication, RLVR
 def run_experiment(name: str, overrides: dict):
     fn, base = EXPERIMENTS[name]
     t = time.time()
-    title, lines, plot = fn(replace(base, **overrides))
+    title, body, plot = fn(replace(base, **overrides))
     lines = [f"# {title}", "",
-             f"`python -m tools.sim {name}` (virtual time; {time.time() - t:.0f} s of real time)", ""] + lines
+             f"`python -m tools.sim {name}` (virtual time; {time.time() - t:.0f} s of real time)", "",
+             *body, "", sync_note(base)]
     print("\n".join(lines) + "\n", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
