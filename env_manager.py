@@ -12,8 +12,11 @@ Two parts, one job each:
   STOP) and pulls RolloutTasks into its free slots, at most one task of a group per poll period when
   other ranks share the queue (prompt replication spreads a group over the engines with room).
 A weight sync (Cmd.SYNC): suspend -> the engine's workers receive the broadcast -> resume -> abort
-work that can no longer be fresh -> ack SYNCED. A trajectory's tokens: prompt_ids, then actions and
-observations in response_ids, loss_mask 1 on action tokens only, one version per action token.
+work that can no longer be fresh -> ack SYNCED. It runs beside the control loop, which meanwhile
+still sends finished samples and starts tasks in free slots (they generate after the resume); only
+the commands wait for it, so they run one at a time, in order. A trajectory's tokens: prompt_ids,
+then actions and observations in response_ids, loss_mask 1 on action tokens only, one version per
+action token.
 Deviations (the env seed per group, staleness from the first token, ...): DESIGN.md#env_managerpy.
 """
 
@@ -337,6 +340,8 @@ class EnvManager:
         self.min_gen = 0                        # the oldest this engine may join (a replaced one: newer)
         self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
+        self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
+        self.recovering = False                 # _recover is replacing the engine (the loop starts no task)
         self.deadline = EnvDeadline.of(cfg)      # every env call's, adapting to their latencies
         self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s)
                      if cfg.reward_workers > 0 else None)
@@ -383,15 +388,23 @@ class EnvManager:
             if self.error is not None:
                 raise RuntimeError(f"rollout rank {self.rank}: a trajectory crashed: "
                                    f"{self.error!r}") from self.error
-            if self.engine_failure is not None:
+            if self.sync_task is not None and self.sync_task.done():
+                task, self.sync_task = self.sync_task, None
+                task.result()      # a failed sync ends the rank, as it did when awaited here
+            # (a sync that sees the engine fail recovers it itself; after it, what is left is ours)
+            if self.engine_failure is not None and self.sync_task is None:
                 await self._recover(self.engine_failure)
             await self._flush()
-            cmd = self.buffer.get_command_nowait(self.rank)
+            # commands one at a time, in order: the next waits for the sync in flight
+            cmd = self.buffer.get_command_nowait(self.rank) if self.sync_task is None else None
             if cmd is not None:
                 if await self._handle(cmd):
                     return
                 continue
-            await self._pull_tasks()
+            # during a sync, tasks start only while the engine is suspended (they generate after the
+            # resume: see _handle), and not while it replaces a dead engine (they would fail with it)
+            if self.sync_task is None or (self.proxy.status == Status.SUSPENDED and not self.recovering):
+                await self._pull_tasks()
             self.wake.clear()
             try:           # sleep one poll period, or less when a slot frees
                 await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
@@ -399,6 +412,15 @@ class EnvManager:
                 pass
 
     async def _close(self):
+        if self.sync_task is not None:    # the loop failed or was cancelled during a sync: end it first
+            task, self.sync_task = self.sync_task, None
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=self.cfg.stop_timeout_s)
+            if not done:
+                raise TimeoutError(f"rollout rank {self.rank}: the weight sync did not end within "
+                                   f"{self.cfg.stop_timeout_s:.0f}s of its cancellation, during stop")
+            if not task.cancelled():
+                task.exception()  # (retrieved, not raised: the loop's own error is the one to report)
         await self._abort(list(self.jobs), "aborted_at_stop")
         if self.pool is not None:
             self.pool.shutdown()
@@ -407,12 +429,14 @@ class EnvManager:
         """Run one command; True means stop."""
         if cmd.kind == Cmd.STOP:
             return True
-        if cmd.kind == Cmd.SYNC:
-            try:
-                await asyncio.wait_for(self._sync(cmd), self.sync_timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} "
-                                   f"took longer than {self.sync_timeout_s:.0f}s") from None
+        if cmd.kind == Cmd.SYNC:        # beside the loop: it goes on sending samples and starting tasks
+            # Only the work running now can hold tokens older than the new version: the loop starts
+            # tasks during the sync only while the engine is suspended, so they generate after the
+            # resume (their trajectories' start version, the old one, would look stale)
+            running = set(self.jobs)
+            self.sync_task = asyncio.get_running_loop().create_task(self._timed_sync(cmd, running),
+                                                                    name=f"rank{self.rank}:sync")
+            self.sync_task.add_done_callback(lambda _: self.wake.set())     # the loop reports its end
         elif cmd.kind == Cmd.SLEEP:          # colocated: the trainer needs this GPU's memory now
             await self._abort(list(self.jobs), "aborted_by_request")
             await self.proxy.sleep()
@@ -426,8 +450,16 @@ class EnvManager:
             raise ValueError(f"rollout rank {self.rank}: unknown command {cmd!r}")
         return False
 
-    async def _sync(self, cmd: Command):
+    async def _timed_sync(self, cmd: Command, running: set[str]):
+        try:
+            await asyncio.wait_for(self._sync(cmd, running), self.sync_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} "
+                               f"took longer than {self.sync_timeout_s:.0f}s") from None
+
+    async def _sync(self, cmd: Command, running: set[str]):
         """The rollout side of a weight update (module docstring); the controller waits for its ack.
+        Only the tasks in `running` can be stale (see _handle).
         A failed broadcast: SYNCED says needs_weights, and the engine (a new one if it died, acked
         REPLACED) waits suspended for the controller's next SYNC."""
         v, t0 = cmd.version, now()
@@ -444,8 +476,9 @@ class EnvManager:
             t2 = now()
             await self.proxy.resume()
             self.synced = True
-            stale = [tid for tid, (t, _) in self.jobs.items() if t.eval_temperature is None   # (evaluation
-                     and not fresh(self._oldest_version(tid), v, self.async_ratio)]      # is never trained)
+            stale = [tid for tid, (t, _) in self.jobs.items() if tid in running
+                     and t.eval_temperature is None                         # (evaluation is never trained)
+                     and not fresh(self._oldest_version(tid), v, self.async_ratio)]
             await self._abort(stale, "aborted_stale")
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:
@@ -546,21 +579,25 @@ class EnvManager:
         controller's next SYNC loads them. With no restart_engine, the failure ends run()."""
         if self.restart_engine is None:
             raise failure
-        jobs = list(self.jobs.values())
-        for t, job in jobs:
-            job.cancel()
-        await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s) if jobs else None
-        for t in self.lost + [t for t, _ in jobs]:
-            for i in range(t.num_samples):
-                self.counters["samples_lost_to_engine"] += 1
-                self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
-                                  rank=self.rank, admit_version=t.admit_version, failed=True,
-                                  meta={"error": f"engine lost: {failure}", "retrying": False,
-                                        "engine_lost": True, "sample_index": i, "timeout": False,
-                                        "eval": t.eval_temperature is not None}))
-        self.lost, self.engine_failure = [], None
-        await self._flush()
-        self.proxy.replace_engine(await self.restart_engine())
+        self.recovering = True     # (a sync's recovery: the loop, running beside it, starts no task)
+        try:
+            jobs = list(self.jobs.values())
+            for t, job in jobs:
+                job.cancel()
+            await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s) if jobs else None
+            for t in self.lost + [t for t, _ in jobs]:
+                for i in range(t.num_samples):
+                    self.counters["samples_lost_to_engine"] += 1
+                    self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
+                                      rank=self.rank, admit_version=t.admit_version, failed=True,
+                                      meta={"error": f"engine lost: {failure}", "retrying": False,
+                                            "engine_lost": True, "sample_index": i, "timeout": False,
+                                            "eval": t.eval_temperature is not None}))
+            self.lost, self.engine_failure = [], None
+            await self._flush()
+            self.proxy.replace_engine(await self.restart_engine())
+        finally:
+            self.recovering = False
         self.min_gen = self.gen_seen + 1        # its workers may only join a group formed after this
         self.counters["engine_restarts"] += 1
         if not self.synced:

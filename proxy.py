@@ -11,11 +11,14 @@ Completion carries the token ids, the behaviour logprob and the policy version o
 
 Suspend "keep": in-flight requests stay in the engine and continue under the new weights; "abort":
 they end, and are resubmitted after resume as prompt + tokens so far (partial rollout). VLLMEngine
-and FakeTimedEngine (tools/fake_engine.py) share one six-call backend interface, so every rule here is
-the same code in tests, in the simulator and on a GPU cluster.
+and FakeTimedEngine (tools/fake_engine.py) share one backend interface, so every rule here is the same
+code in tests, in the simulator and on a GPU cluster.
 
-Simplifications: a token's version is the proxy's version when its output arrives (versions change
-only while paused, so it is exact); "utilisation" is busy, unpaused wall time, not FLOPs.
+A token's version is the one the engine labelled it with when it sampled it (update_weights labels
+each load: set_version; a request's last output carries its tokens' spans per version), never the
+proxy's version when the output reaches it: outputs can arrive late (vLLM's output handler is an
+asyncio task behind the engine core), after the version changed.
+Simplification: "utilisation" is busy, unpaused wall time, not FLOPs.
 
 Design notes: DESIGN.md#proxypy
 """
@@ -207,7 +210,10 @@ class VLLMEngine:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
                      cache_salt: str | None = None
-                     ) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+                     ) -> AsyncIterator[tuple[list[int], list[float], str | None, list | None]]:
+        """(token ids, logprobs, finish reason or None, spans or None) per output; the last output's
+        spans are [(version, start, end)] over the request's tokens: the version set_version gave the
+        weights that sampled them (None: the engine's initial weights, never labelled)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -221,7 +227,13 @@ class VLLMEngine:
         async for out in self.llm.generate(prompt, params, request_id, lora_request=self.lora_request):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
-            yield list(o.token_ids), lps, (o.finish_reason if out.finished else None)
+            if not out.finished:
+                yield list(o.token_ids), lps, None, None
+                continue
+            # vLLM labels every step's outputs in the engine core, where they are sampled
+            spans = None if o.weight_versions is None else [
+                (int(s.version) if s.version.isdigit() else None, s.start, s.end) for s in o.weight_versions]
+            yield list(o.token_ids), lps, o.finish_reason, spans
 
     async def abort(self, request_ids: list[str]):
         await self.llm.abort(request_ids)
@@ -240,6 +252,11 @@ class VLLMEngine:
 
     async def wake(self):
         await self.llm.wake_up()
+
+    async def set_version(self, version: int):
+        """The weights just loaded are policy `version`: the engine core labels the tokens it samples
+        from now on with it (vLLM's weight_version; "default" before the first label)."""
+        await self.llm.update_weight_version(str(version))
 
     async def receive_weights(self, spec, first_rank: int, meta):
         """Every worker joins spec's weight-sync group and loads what its rank 0 broadcasts
@@ -429,19 +446,21 @@ class LLMProxy:
                 self.events.request(wall0, time.time(), c)
 
     async def _consume(self, eid: str, prompt: list[int], sampling: Sampling, c: Completion) -> str:
-        """Read one engine request's stream into `c`; returns its finish reason. No per-token timer:
-        the proxy's watchdog notices an engine that stops producing (see _watchdog)."""
+        """Read one engine request's stream into `c`; returns its finish reason. The versions of its
+        tokens come with its last output, as the engine's spans (module docstring). No per-token
+        timer: the proxy's watchdog notices an engine that stops producing (see _watchdog)."""
+        submitted, first = self.version, len(c.token_ids)
         # the version as cache salt: a new request never reuses prompt KV computed with older weights
         stream = self.engine.stream(eid, prompt, sampling, cache_salt=f"v{self.version}")
+        reason = spans = None
         try:
-            async for token_ids, logprobs, reason in stream:
+            async for token_ids, logprobs, reason, spans in stream:
                 self._last_progress = now()
                 c.token_ids += token_ids
                 c.logprobs += logprobs
-                c.versions += [self.version] * len(token_ids)
                 self.num_tokens += len(token_ids)
                 if reason is not None:
-                    return reason
+                    break
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
@@ -452,7 +471,23 @@ class LLMProxy:
                 await asyncio.wait_for(stream.aclose(), 5.0)
             except (asyncio.TimeoutError, RuntimeError):
                 pass
-        raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish reason")
+        if reason is None:
+            raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish "
+                              f"reason")
+        c.versions += self._versions(eid, spans, len(c.token_ids) - first, submitted)
+        return reason
+
+    def _versions(self, eid: str, spans, n: int, submitted: int) -> list[int]:
+        """The version of each of an engine request's n tokens, from the engine's spans. Version None
+        (an engine whose weights were never labelled: the ones it started with) is the version the
+        request was submitted under: every load is labelled, so that is before its first load."""
+        versions = []
+        for v, start, end in spans or []:        # a few spans: no per-token Python work
+            versions += [submitted if v is None else v] * (end - start)
+        if spans is None or len(versions) != n:
+            raise RuntimeError(f"rollout rank {self.rank}: the engine's weight-version spans for {eid} "
+                               f"({spans!r}) do not cover its {n} tokens")
+        return versions
 
     async def _watchdog(self):
         """While requests are in flight: an engine whose process is gone (the backend says it is dead)
@@ -518,11 +553,15 @@ class LLMProxy:
         if self.status != Status.SUSPENDED:
             raise RuntimeError(f"rollout rank {self.rank}: update_weights needs a suspended proxy "
                                f"(call suspend first), status is {self.status.value}")
+
+        async def load():
+            out = await self.engine.receive_weights(spec, first_rank, meta)
+            await self.engine.set_version(version)     # the engine labels the tokens it samples next
+            return out
         await self._wake()
         wall0 = time.time()
         timeout = max(self.timeout_s, 300) if spec is None else max(self.timeout_s, spec.timeout_s + 5)
-        workers = await self._call("update_weights", self.engine.receive_weights(spec, first_rank, meta),
-                                   timeout=timeout)
+        workers = await self._call("update_weights", load(), timeout=timeout)
         self.version = version
         self._phase("load", wall0)
         return workers

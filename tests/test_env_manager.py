@@ -550,6 +550,177 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
     assert no_probe.probe is None and no_probe.version == 2
 
 
+class SlowStep:
+    """An env whose step (the verifier, say) takes step_s seconds; `stepping` is set as one starts."""
+
+    def __init__(self, env, step_s: float, stepping: asyncio.Event):
+        self.env, self.step_s, self.stepping = env, step_s, stepping
+
+    async def reset(self, seed):
+        return await self.env.reset(seed)
+
+    async def step(self, action):
+        self.stepping.set()
+        await asyncio.sleep(self.step_s)
+        return await self.env.step(action)
+
+
+def watch_receive(m, seen: list | None = None) -> asyncio.Event:
+    """Wrap the fake engine's receive: the event is set when a receive starts; `seen` gets
+    "cancelled" if one is cancelled."""
+    receive, receiving = m.proxy.engine.receive_weights, asyncio.Event()
+
+    async def watched(spec, first_rank, meta):
+        receiving.set()
+        try:
+            await receive(spec, first_rank, meta)
+        except asyncio.CancelledError:
+            if seen is not None:
+                seen.append("cancelled")
+            raise
+    m.proxy.engine.receive_weights = watched
+    return receiving
+
+
+def test_a_sample_that_finishes_during_a_slow_receive_is_sent_before_the_sync_ends(tok):
+    """The engine is suspended for a 10 s receive while a trajectory whose generation ended before
+    it is in its 1 s step (the reward): its sample reaches the buffer when that step ends, with the
+    engine still receiving, not when the sync ends."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        stepping = asyncio.Event()
+        m = make_manager(buf, tok, load_s=10.0, length_sampler=lambda rng: 5,
+                         env_wrappers=lambda env: SlowStep(env, 1.0, stepping))
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task("t", "g")])
+        await asyncio.wait_for(stepping.wait(), 100)
+        t0 = now()
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        [(t, s)] = await collect(buf, 1, timeout=100)
+        during = (m.proxy.status, m.proxy.engine.num_loads)
+        await acks_until(buf, Phase.SYNCED, 1)
+        t_synced = now()
+        await stop_all(buf, [m], [run])
+        return t0, t, s, during, t_synced
+    t0, t, s, during, t_synced = run_virtual(main())
+    assert during == (Status.SUSPENDED, 0)             # the engine was still receiving ...
+    assert t - t0 == pytest.approx(1.0, abs=0.05)      # ... when the sample was sent: as its step ended
+    assert t_synced - t0 >= 10.0
+    assert not s.failed and len(s.versions) == 5 and set(s.versions) == {0}
+
+
+def test_free_slots_take_tasks_during_a_slow_receive_and_their_tokens_are_the_new_version(tok):
+    """A task queued while the engine receives for 10 s starts at once (its env reset runs during
+    the receive). Its first token can only come after the resume, so even at async ratio 0 the sync
+    does not abort it as stale: every token it has is version 1."""
+    resets, proxies = [], []
+
+    class Watched:
+        def __init__(self, env):
+            self.env = env
+
+        async def reset(self, seed):
+            resets.append((now(), proxies[0].status))
+            return await self.env.reset(seed)
+
+        async def step(self, action):
+            return await self.env.step(action)
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, async_ratio=0, load_s=10.0, length_sampler=lambda rng: 5,
+                         env_wrappers=Watched)
+        proxies.append(m.proxy)
+        receiving = watch_receive(m)
+        run = asyncio.create_task(m.run())
+        await acks_until(buf, Phase.READY)
+        t0 = now()
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        await asyncio.wait_for(receiving.wait(), 100)
+        await buf.put_tasks([add_task("t", "g")])
+        [(_, s)] = await collect(buf, 1, timeout=100)
+        [stats] = await stop_all(buf, [m], [run])
+        return t0, s, stats
+    t0, s, stats = run_virtual(main())
+    [(t_reset, status)] = resets
+    assert status == Status.SUSPENDED and t_reset - t0 < 1.0     # started during the receive
+    assert not s.failed and len(s.versions) == 5 and set(s.versions) == {1}
+    assert (stats["aborted_stale"], stats["tasks_started"]) == (0, 1)
+
+
+def test_tasks_queued_with_the_sync_that_wakes_a_slept_engine_are_not_stale(tok):
+    """--colocate: the engine sleeps (suspended), then tasks of the next step and the SYNC that
+    wakes it arrive together. The rank may start them before the sync runs (the engine is suspended
+    already), but they generate after its resume: at async ratio 0 none is aborted as stale."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, async_ratio=0, length_sampler=lambda rng: 5)
+        run = asyncio.create_task(m.run())
+        await acks_until(buf, Phase.READY)
+        await buf.send_command(0, Command(Cmd.SLEEP))
+        await acks_until(buf, Phase.SLEPT)
+        await buf.put_tasks([add_task(f"t{i}", f"g{i}") for i in range(4)])
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        got = [s for _, s in await collect(buf, 4, timeout=100)]
+        [stats] = await stop_all(buf, [m], [run])
+        return got, stats
+    got, stats = run_virtual(main())
+    assert all(not s.failed and set(s.versions) == {1} for s in got)
+    assert (stats["aborted_stale"], stats["tasks_started"]) == (0, 4)
+
+
+@pytest.mark.parametrize("failure", ["raises", "times out"])
+def test_a_sync_that_fails_ends_the_rank_loudly_and_leaves_no_work(tok, failure):
+    """Without an engine to restart, a receive that fails, or a sync longer than sync_timeout_s,
+    ends run() with an error naming the rank and the phase; the work in flight is ended."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), load_s=10.0)
+        m.sync_timeout_s = 5.0
+        if failure == "raises":
+            async def broken(spec, first_rank, meta):
+                await asyncio.sleep(1.0)
+                raise RuntimeError("the receive broke")
+            m.proxy.engine.receive_weights = broken
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task("busy", "g", target_len=1000)])
+        await acks_until(buf, Phase.READY)
+        await asyncio.sleep(5 * STEP)
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(run, 100)
+        left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("rank0")]
+        return e.value, m, left
+    err, m, left = run_virtual(main())
+    if failure == "raises":
+        assert isinstance(err, EngineError) and str(err).startswith(
+            "rollout rank 0: engine failed during update_weights: RuntimeError('the receive broke')")
+    else:
+        assert isinstance(err, TimeoutError)
+        assert str(err) == "rollout rank 0: weight sync to version 1 took longer than 5s"
+    assert m.stats()["in_flight"] == 0 and m.proxy.num_in_flight == 0 and left == []
+
+
+def test_a_rank_cancelled_during_a_sync_leaves_no_task_behind(tok):
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), load_s=10.0)
+        seen = []
+        receiving = watch_receive(m, seen)
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task("busy", "g", target_len=1000)])
+        await acks_until(buf, Phase.READY)
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        await asyncio.wait_for(receiving.wait(), 100)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(run, 100)
+        left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("rank0")]
+        return seen, left, m
+    seen, left, m = run_virtual(main())
+    assert seen == ["cancelled"] and left == [] and m.stats()["in_flight"] == 0
+
+
 def test_abort_groups_and_stop(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
@@ -857,6 +1028,53 @@ def test_a_broken_group_keeps_the_engine_suspended_until_the_next_sync(tok):
     failed, waiting, synced, stats, fresh = run_virtual(main())
     assert failed.needs_weights and waiting == Status.SUSPENDED and not synced.needs_weights
     assert stats["engine_restarts"] == 0 and fresh == [] and stats["proxy"]["version"] == 1
+
+
+def test_an_engine_that_dies_during_a_receive_is_replaced_once_with_tasks_started_meanwhile(tok):
+    """Tasks start during a slow receive, then the engine process dies: the sync replaces it, once.
+    Its task from before and the two started during the receive are reported lost, once each; a task
+    queued while the new engine starts is not started with the dead one (it would fail, and the
+    rank would replace the new engine too): it waits for the resync and runs at its version."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), load_s=10.0, length_sampler=lambda rng: 5)
+        fresh = with_engine_restarts(m)
+        start_engine, restarting = m.restart_engine, asyncio.Event()
+
+        async def slow_start():                     # an engine takes 5 s to start
+            restarting.set()
+            await asyncio.sleep(5.0)
+            return await start_engine()
+        m.restart_engine = slow_start
+        m.proxy.engine.dead = False                 # (the backend can tell when its process dies)
+        receiving = watch_receive(m)
+        run = asyncio.create_task(m.run())
+        await buf.put_tasks([add_task("before", "g0", target_len=1000)])
+        await acks_until(buf, Phase.READY)
+        await asyncio.sleep(5 * STEP)
+        await buf.send_command(0, Command(Cmd.SYNC, 1))
+        await asyncio.wait_for(receiving.wait(), 100)
+        await buf.put_tasks([add_task(f"during{i}", f"g{i + 1}") for i in range(2)])
+        await asyncio.sleep(1.0)
+        started_during = sorted(m.jobs)
+        m.proxy.engine.dead = True                  # mid-receive
+        await asyncio.wait_for(restarting.wait(), 100)
+        await buf.put_tasks([add_task("meanwhile", "g9")])
+        lost = [s for _, s in await collect(buf, 3, timeout=100)]
+        acks = await acks_until(buf, Phase.REPLACED, 0)      # (its version: the load failed)
+        await buf.send_command(0, Command(Cmd.SYNC, 1))          # the controller's resync
+        await acks_until(buf, Phase.SYNCED, 1)
+        [(_, meanwhile)] = await collect(buf, 1, timeout=100)
+        [stats] = await stop_all(buf, [m], [run])
+        return started_during, lost, acks, meanwhile, stats, fresh
+    started_during, lost, acks, meanwhile, stats, fresh = run_virtual(main())
+    assert started_during == ["before", "during0", "during1"]
+    assert sorted(s.task_id for s in lost) == ["before", "during0", "during1"]
+    assert all(s.failed and s.meta["engine_lost"] for s in lost)
+    assert [a.phase for a in acks if a.phase != Phase.READY] == [Phase.SYNCED, Phase.REPLACED]
+    assert [a.needs_weights for a in acks if a.phase == Phase.SYNCED] == [True]
+    assert not meanwhile.failed and meanwhile.task_id == "meanwhile" and set(meanwhile.versions) == {1}
+    assert (stats["engine_restarts"], stats["samples_lost_to_engine"], len(fresh)) == (1, 3, 1)
 
 
 # --- the controller and the rollout ranks: syncing replaced engines again, over a new group

@@ -123,6 +123,45 @@ def test_weight_update_under_running_requests(mode):
     assert s["resubmits"] == (16 if mode == "abort" else 0)
 
 
+class LateOutputs(FakeTimedEngine):
+    """Outputs reach the proxy only while `delivering` is set; meanwhile they queue in order. vLLM's
+    outputs pass through its output handler, an asyncio task behind the engine core, so a step's
+    tokens can reach the proxy after pause (even after the weight load) returned."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.delivering = asyncio.Event()
+        self.delivering.set()
+
+    async def stream(self, *args, **kwargs):
+        async for item in super().stream(*args, **kwargs):
+            await self.delivering.wait()
+            yield item
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_them(mode):
+    """Tokens sampled with version 0 reach the proxy only after the load of version 1 (and the
+    resume): each still carries version 0. The fake engine's logprob says which weights sampled a
+    token: -1 before any load, -1/2 after one."""
+    async def main():
+        p = LLMProxy(LateOutputs(t0=1.0, k=0.0, load_s=5.0), rank=3, timeout_s=30.0)
+        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True)))
+                 for _ in range(4)]
+        await asyncio.sleep(4.5)                  # 4 tokens each, read by the proxy
+        p.engine.delivering.clear()               # tokens 5..9 (the 9th: the step in flight at suspend)
+        await asyncio.sleep(4.0)                  # are sampled with version 0 but wait
+        await p.suspend(mode)
+        await p.update_weights(WEIGHTS, version=1)
+        await p.resume()
+        p.engine.delivering.set()
+        return await asyncio.gather(*tasks)
+    for c in run_virtual(main()):
+        assert len(c.token_ids) == len(c.versions) == 20 and c.finish_reason == "length"
+        assert c.versions == [{-1.0: 0, -0.5: 1}[lp] for lp in c.logprobs]
+        assert c.versions == [0] * 9 + [1] * 11 and c.num_resubmits == (1 if mode == "abort" else 0)
+
+
 def test_no_new_work_starts_while_suspended():
     async def main():
         p = make_proxy(t0=1.0, k=0.0, length_sampler=lambda rng: 3)

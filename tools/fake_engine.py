@@ -2,15 +2,17 @@
 
     proxy = LLMProxy(FakeTimedEngine(max_num_seqs=64, kv_tokens=None), rank=0)   # as proxy.VLLMEngine
 
-It speaks the same six backend calls as proxy.VLLMEngine (stream, abort, pause, resume,
-receive_weights, score), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
+It speaks the same backend calls as proxy.VLLMEngine (stream, abort, pause, resume, receive_weights,
+set_version, score, sleep, wake), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
 fast-forwarded event loop (looptime) an hour of decoding takes milliseconds of real time.
 
 What it models: one vLLM engine with continuous batching and a paged KV cache (vLLM V1's FCFS
 scheduler): at most max_num_seqs running, KV blocks of block_size within kv_tokens (None: no memory
 limit), preemption of the most recently admitted sequence by recompute, a step time linear in the
 running sequences, their context and the tokens prefilled; response lengths from length_of_prompt,
-length_sampler or a scripted respond(); logprob -1 / (1 + weight loads so far) per token.
+length_sampler or a scripted respond(); logprob -1 / (1 + weight loads so far) per token; like vLLM,
+each token is labelled with the version of the weights that sampled it (set_version), and a request's
+last output carries the spans of its tokens per version.
 
 Simplifications, on purpose: no token budget per step (a long prefill is one step, not chunked);
 no prefix caching; preemption by recompute only (no swap). The constants' units are seconds and
@@ -38,6 +40,7 @@ class _FakeRequest:
     target: int                         # tokens this request will generate
     end_reason: str                     # "stop" (drew EOS) or "length" (hit max_tokens)
     script: list[int] | None            # scripted tokens, if any
+    version_starts: list = field(default_factory=list)   # [(version label, first token index)], as vLLM
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     blocks: int = 0                     # KV blocks held (0 while waiting)
@@ -45,6 +48,11 @@ class _FakeRequest:
     @property
     def context(self) -> int:
         return self.prompt_len + self.generated
+
+    def spans(self) -> list[tuple[int | None, int, int]]:
+        """(version, start, end) over this request's tokens: what vLLM's last output carries."""
+        ends = [start for _, start in self.version_starts[1:]] + [self.generated]
+        return [(v, start, end) for (v, start), end in zip(self.version_starts, ends)]
 
 
 class FakeTimedEngine:
@@ -78,6 +86,7 @@ class FakeTimedEngine:
         self.asleep = False                     # sleep(): colocated mode's memory release
         self.hang = False                       # tests: True makes the engine stop answering
         self.num_loads = 0
+        self.version: int | None = None         # the weights' label (set_version); None: the initial ones
         self.num_steps = 0
         self.num_preemptions = 0
         self.tokens_prefilled = 0
@@ -159,9 +168,11 @@ class FakeTimedEngine:
                 if r is None or eid not in self.decoding:   # aborted or preempted during the step
                     continue
                 tok = r.script[r.generated] if r.script else self.rng.randrange(2, self.vocab_size)
+                if not r.version_starts or r.version_starts[-1][0] != self.version:
+                    r.version_starts.append((self.version, r.generated))
                 r.generated += 1
                 reason = r.end_reason if r.generated >= r.target else None
-                r.queue.put_nowait(([tok], [logprob], reason))
+                r.queue.put_nowait(([tok], [logprob], reason, r.spans() if reason else None))
                 if reason:
                     self._drop(eid)
             self._step_done.set()
@@ -210,7 +221,7 @@ class FakeTimedEngine:
         for eid in request_ids:
             r = self._drop(eid)
             if r is not None:
-                r.queue.put_nowait(([], [], "abort"))
+                r.queue.put_nowait(([], [], "abort", r.spans()))
 
     async def pause(self, mode: str):
         if self.hang:
@@ -238,6 +249,9 @@ class FakeTimedEngine:
             raise RuntimeError("fake engine: receive_weights while asleep (vLLM needs wake_up first)")
         await asyncio.sleep(self.load_s)
         self.num_loads += 1
+
+    async def set_version(self, version: int):
+        self.version = version
 
     async def score(self, token_ids):
         return [-1.0 / (1 + self.num_loads)] * (len(token_ids) - 1)
