@@ -70,13 +70,15 @@ class RolloutConfig:
     kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
     gpu_memory_utilization: float = opt(0.85, "GPU: the share of a rollout GPU's memory its engine may take")
     poll_s: float = opt(0.01, "the env manager's control loop period (commands, task queue), seconds")
+    stream_interval: int = opt(16, "the engine delivers a request's tokens in outputs of this many (1 = "
+                                   "every token: Python per token on the rollout rank)")
     stop_timeout_s: float = opt(60.0, "on stop or abort, wait this long for cancelled trajectories to unwind")
 
     def __post_init__(self):
         def bad(name, rule):
             return ValueError(f"{flag(name)} (RolloutConfig.{name}) must be {rule}, "
                               f"got {getattr(self, name)!r}")
-        for name in ("max_concurrency", "max_turns"):
+        for name in ("max_concurrency", "max_turns", "stream_interval"):
             if getattr(self, name) < 1:
                 raise bad(name, ">= 1")
         for name in ("max_tokens", "max_model_len", "max_retries"):
@@ -281,9 +283,10 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         room = cap - len(traj.prompt_ids) - len(traj.response_ids)
         temperature = cfg.temperature if task.eval_temperature is None else task.eval_temperature
         if task.problem.target_len > 0:      # benchmark: exactly target_len tokens per turn
-            sampling = Sampling(min(task.problem.target_len, room), temperature, ignore_eos=True)
+            sampling = Sampling(min(task.problem.target_len, room), temperature, ignore_eos=True,
+                                stream_interval=cfg.stream_interval)
         else:
-            sampling = Sampling(min(cfg.max_tokens, room), temperature)
+            sampling = Sampling(min(cfg.max_tokens, room), temperature, stream_interval=cfg.stream_interval)
         traj.request_id = f"r{proxy.rank}-{task.task_id}-{tag}-t{turn}"
         c = await proxy.generate(traj.prompt_ids + traj.response_ids, sampling, request_id=traj.request_id)
         traj.request_id = None

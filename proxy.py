@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Iterable
 
 import torch
@@ -61,10 +61,16 @@ class Sampling:
     top_p: float = 1.0
     ignore_eos: bool = False      # True: generate exactly max_tokens (benchmarks' drawn lengths)
     seed: int | None = None
+    # the engine delivers a request's tokens in outputs of this many (its first token and its end at
+    # once): the proxy pays Python per output, so per token at 1 (vLLM's default; the rollout ranks ask
+    # for RolloutConfig.stream_interval); versions stay exact either way (they come from the engine's spans)
+    stream_interval: int = 1
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"Sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"Sampling.stream_interval must be >= 1, got {self.stream_interval}")
         if self.temperature < 0:
             raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy, for evaluation), "
                              f"got {self.temperature}")
@@ -220,6 +226,7 @@ class VLLMEngine:
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             ignore_eos=sampling.ignore_eos, seed=sampling.seed, logprobs=0,
+            stream_interval=sampling.stream_interval,
             output_kind=RequestOutputKind.DELTA, detokenize=False)   # ids only: the env decodes what it needs
         prompt = {"prompt_token_ids": prompt_token_ids}
         if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
@@ -419,8 +426,7 @@ class LLMProxy:
                 budget = sampling.max_tokens - len(c.token_ids)
                 eid = f"{rid}.{c.num_resubmits}"
                 self._engine_ids[rid] = eid
-                sp = Sampling(budget, sampling.temperature, sampling.top_p, sampling.ignore_eos,
-                              sampling.seed)
+                sp = replace(sampling, max_tokens=budget)
                 reason = await self._consume(eid, c.prompt_token_ids + c.token_ids, sp, c)
                 if (reason == "abort" and rid not in self._user_aborted
                         and len(c.token_ids) < sampling.max_tokens):

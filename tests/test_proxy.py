@@ -139,16 +139,17 @@ class LateOutputs(FakeTimedEngine):
             yield item
 
 
+@pytest.mark.parametrize("interval", [1, 16])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_them(mode):
+def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_them(mode, interval):
     """Tokens sampled with version 0 reach the proxy only after the load of version 1 (and the
     resume): each still carries version 0. The fake engine's logprob says which weights sampled a
     token: -1 before any load, -1/2 after one."""
     async def main():
         p = LLMProxy(LateOutputs(t0=1.0, k=0.0, load_s=5.0), rank=3, timeout_s=30.0)
-        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True)))
-                 for _ in range(4)]
-        await asyncio.sleep(4.5)                  # 4 tokens each, read by the proxy
+        tasks = [asyncio.create_task(p.generate([1], Sampling(max_tokens=20, ignore_eos=True,
+                                                              stream_interval=interval))) for _ in range(4)]
+        await asyncio.sleep(4.5)                  # 4 tokens each (interval 16: the first), read by the proxy
         p.engine.delivering.clear()               # tokens 5..9 (the 9th: the step in flight at suspend)
         await asyncio.sleep(4.0)                  # are sampled with version 0 but wait
         await p.suspend(mode)
@@ -160,6 +161,25 @@ def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_th
         assert len(c.token_ids) == len(c.versions) == 20 and c.finish_reason == "length"
         assert c.versions == [{-1.0: 0, -0.5: 1}[lp] for lp in c.logprobs]
         assert c.versions == [0] * 9 + [1] * 11 and c.num_resubmits == (1 if mode == "abort" else 0)
+
+
+def test_stream_interval_batches_outputs_and_an_abort_delivers_the_rest():
+    """As vLLM's stream_interval: the first token at once, then every `interval` tokens, then the end;
+    an abort brings the tokens generated and not yet delivered."""
+    async def main():
+        e = FakeTimedEngine(t0=1.0, k=0.0)
+        outs = [o async for o in e.stream("a", [1], Sampling(10, ignore_eos=True, stream_interval=4))]
+        assert [len(ids) for ids, _, _, _ in outs] == [1, 4, 4, 1] and outs[-1][2] == "length"
+        assert outs[-1][3] == [(None, 0, 10)]                      # the spans: one, the initial weights
+
+        async def read():
+            return [o async for o in e.stream("b", [1], Sampling(10, ignore_eos=True, stream_interval=4))]
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(6.5)                                   # 6 tokens: 1 + 4 delivered, 1 pending
+        await e.abort(["b"])
+        outs = await reader
+        assert [len(ids) for ids, _, _, _ in outs] == [1, 4, 1] and outs[-1][2] == "abort"
+    run_virtual(main())
 
 
 def test_no_new_work_starts_while_suspended():

@@ -25,6 +25,7 @@ Design notes (the model, rule by rule): DESIGN.md#fake_enginepy
 import asyncio
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ class _FakeRequest:
     end_reason: str                     # "stop" (drew EOS) or "length" (hit max_tokens)
     script: list[int] | None            # scripted tokens, if any
     version_starts: list = field(default_factory=list)   # [(version label, first token index)], as vLLM
+    interval: int = 1                   # tokens per output (Sampling.stream_interval), as vLLM's frontend
+    pending_ids: list = field(default_factory=list)      # generated, not yet delivered
+    pending_lps: list = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     blocks: int = 0                     # KV blocks held (0 while waiting)
@@ -91,6 +95,7 @@ class FakeTimedEngine:
         self.num_preemptions = 0
         self.tokens_prefilled = 0
         self.busy_s = 0.0                       # time spent in decode steps (engine utilisation)
+        self.cpu_s = 0.0                        # CPU seconds of its own step loop (benchmarks subtract it)
         self._wake = asyncio.Event()
         self._step_done = asyncio.Event()
         self._step_done.set()
@@ -153,12 +158,15 @@ class FakeTimedEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            cpu0 = time.thread_time()
             prefill = self._schedule()
             batch = list(self.decoding)
             ctx = sum(self.running[eid].context for eid in batch)
             self._step_done.clear()
             dt = self.t0 + self.k * len(batch) + self.k_ctx * ctx + self.k_prefill * prefill
+            self.cpu_s += time.thread_time() - cpu0
             await asyncio.sleep(dt)
+            cpu0 = time.thread_time()
             self.busy_s += dt
             self.num_steps += 1
             self.tokens_prefilled += prefill
@@ -171,11 +179,17 @@ class FakeTimedEngine:
                 if not r.version_starts or r.version_starts[-1][0] != self.version:
                     r.version_starts.append((self.version, r.generated))
                 r.generated += 1
+                r.pending_ids.append(tok)
+                r.pending_lps.append(logprob)
                 reason = r.end_reason if r.generated >= r.target else None
-                r.queue.put_nowait(([tok], [logprob], reason, r.spans() if reason else None))
+                # delivered: the first token, every `interval` tokens, and the end (vLLM's stream_interval)
+                if reason or r.generated == 1 or len(r.pending_ids) >= r.interval:
+                    r.queue.put_nowait((r.pending_ids, r.pending_lps, reason, r.spans() if reason else None))
+                    r.pending_ids, r.pending_lps = [], []
                 if reason:
                     self._drop(eid)
             self._step_done.set()
+            self.cpu_s += time.thread_time() - cpu0
 
     def _drop(self, eid: str) -> _FakeRequest | None:
         r = self.running.get(eid)
@@ -203,7 +217,7 @@ class FakeTimedEngine:
             want = self.length_sampler(self.rng)
         target = min(want, sampling.max_tokens)
         r = _FakeRequest(len(prompt_token_ids), target, "stop" if want <= sampling.max_tokens else "length",
-                         script)
+                         script, interval=getattr(sampling, "stream_interval", 1))
         self.running[request_id] = r
         self.waiting.append(request_id)
         self._ensure_loop()
@@ -220,8 +234,8 @@ class FakeTimedEngine:
     async def abort(self, request_ids):
         for eid in request_ids:
             r = self._drop(eid)
-            if r is not None:
-                r.queue.put_nowait(([], [], "abort", r.spans()))
+            if r is not None:       # tokens generated and not yet delivered come with the abort, as in vLLM
+                r.queue.put_nowait((r.pending_ids, r.pending_lps, "abort", r.spans()))
 
     async def pause(self, mode: str):
         if self.hang:

@@ -110,6 +110,10 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
             # k3 estimate of KL(mu || pi) over the trained tokens: how far the policy had moved from the one
             # that sampled them (staleness + the optimizer steps within the batch)
             "approx_kl": statistics.fmean(r["approx_kl"] for r in rows),
+            # --is-correction: tokens it truncated (tis) or dropped (mis, icepop); the engine/trainer gap
+            **({"is_corrected_frac": statistics.fmean(r["is_corrected_frac"] for r in rows),
+                "mismatch_kl": statistics.fmean(r["mismatch_kl"] for r in rows)}
+               if "is_corrected_frac" in rows[0] else {}),
             "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
             "samples": sum(r["num_samples"] for r in rows), "wall_s": time.monotonic() - t_start}
 
