@@ -228,6 +228,7 @@ class ManagerQueues:
     rank 0) calls serve(); every other rank connect()s with the same address and authkey."""
 
     POLL_S = (0.002, 0.008)   # an empty queue is polled after 2 ms, then ever less often, up to every 8 ms
+    round_trips = True        # every call waits for the server: SampleBuffer runs them off the event loop
 
     def __init__(self, manager: BaseManager, num_ranks: int):
         self.manager = manager
@@ -267,7 +268,9 @@ class ManagerQueues:
         return self.commands[rank] if name == "commands" else self.queues[name]
 
     async def put_many(self, name, items, rank=None):
-        self.q(name, rank).put_many(list(items))
+        # in a thread: the caller's event loop goes on during the round trip (the proxy per thread is
+        # multiprocessing's own: each thread gets its connection)
+        await asyncio.to_thread(self.q(name, rank).put_many, list(items))
 
     async def get_many(self, name, max_items: int, rank=None) -> list:
         wait, longest = self.POLL_S
@@ -336,7 +339,20 @@ class SampleBuffer:
     def num_queued_tasks(self) -> int:
         return self.t.qsize("tasks")
 
-    # rollout side
+    # rollout side: polls from the rank's event loop, which must not stand still in a round trip to the
+    # trainer's queue server while the engine's outputs wait (tools/bench_rollout.py measured 29-34%)
+    async def _polled(self, fn, *args):
+        return await asyncio.to_thread(fn, *args) if getattr(self.t, "round_trips", False) else fn(*args)
+
+    async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
+        return await self._polled(self.get_tasks_nowait, max_items)
+
+    async def poll_command(self, rank: int) -> Command | None:
+        return await self._polled(self.get_command_nowait, rank)
+
+    async def poll_num_queued_tasks(self) -> int:
+        return await self._polled(self.num_queued_tasks)
+
     def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
         return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []
 

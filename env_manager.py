@@ -399,7 +399,7 @@ class EnvManager:
                 await self._recover(self.engine_failure)
             await self._flush()
             # commands one at a time, in order: the next waits for the sync in flight
-            cmd = self.buffer.get_command_nowait(self.rank) if self.sync_task is None else None
+            cmd = await self.buffer.poll_command(self.rank) if self.sync_task is None else None
             if cmd is not None:
                 if await self._handle(cmd):
                     return
@@ -518,12 +518,12 @@ class EnvManager:
                                    if t_now - t < self.cfg.poll_s}
         passed_over = []
         # tasks queued later wait for the next poll
-        budget = self.buffer.num_queued_tasks() if spread else None
+        budget = await self.buffer.poll_num_queued_tasks() if spread else None
         try:
             while self.slots_used < self.cfg.max_concurrency:
                 if not self.held:
                     want = self.cfg.max_concurrency - self.slots_used
-                    got = self.buffer.get_tasks_nowait(want if budget is None else min(want, budget))
+                    got = await self.buffer.poll_tasks(want if budget is None else min(want, budget))
                     if not got:
                         return
                     if budget is not None:

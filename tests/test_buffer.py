@@ -1,6 +1,7 @@
 """buffer.py: the freshness rule, group assembly and the transports."""
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -163,3 +164,29 @@ def test_assembler_memory_stays_bounded_on_a_long_run():
     before = asm.samples_dropped_stale
     asm.add(sample("g3.1", [3], 1.0, i=2), 1000)              # its group closed 997 versions ago
     assert asm.samples_dropped_stale == before + 1 and not asm.pending
+
+
+def test_a_rollout_ranks_polls_do_not_stop_its_event_loop():
+    """Against the trainer's queue server every call is a round trip; the rollout rank polls commands and
+    tasks from its event loop, which must go on meanwhile (the engine's outputs, the trajectories)."""
+    class SlowServer(LocalQueues):          # a transport whose calls wait 0.3 s for a server
+        round_trips = True
+
+        def get_many_nowait(self, *args, **kwargs):
+            time.sleep(0.3)
+            return super().get_many_nowait(*args, **kwargs)
+
+    async def main():
+        buf = SampleBuffer(SlowServer(1), "rollout rank 0")
+        ticks = 0
+
+        async def other_work():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        work = asyncio.create_task(other_work())
+        assert await buf.poll_command(0) is None and await buf.poll_tasks(4) == []
+        work.cancel()
+        return ticks
+    assert asyncio.run(main()) >= 10        # ~60 ticks in the 0.6 s of round trips; 0 when they block

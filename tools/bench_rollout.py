@@ -131,9 +131,10 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
            "engine_cpu_share": (b["engine_cpu"] - a["engine_cpu"]) / dt,
            "engine_steps_per_s": (b["steps"] - a["steps"]) / dt,
            "tokens_per_step": tokens / max(b["steps"] - a["steps"], 1),     # the batch the slots kept full
-           # the event loop stands still in the queue client's round trips (synchronous calls)
+           # the queue client's round trips to the trainer's server, as a share of wall time (the event
+           # loop stood still that long while they were synchronous; now they run in threads)
            "queue_calls_per_s": (b["calls"] - a["calls"]) / dt,
-           "queue_blocked_share": (b["blocked"] - a["blocked"]) / dt,
+           "queue_round_trip_share": (b["blocked"] - a["blocked"]) / dt,
            "engine_nominal_tokens_per_s": args.max_concurrency / (args.step_ms + args.per_seq_ms
                                                                    * args.max_concurrency) * 1e3}
     if prof:
