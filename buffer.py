@@ -159,6 +159,8 @@ QUEUE_NAMES = ("tasks", "samples", "acks")
 class LocalQueues:
     """In-process asyncio queues (tests, simulator). num_ranks command queues, one per rollout rank."""
 
+    round_trips = False       # every call answers at once: no thread (virtual time stays exact)
+
     def __init__(self, num_ranks: int):
         self.queues = {name: asyncio.Queue() for name in QUEUE_NAMES}
         self.commands = [asyncio.Queue() for _ in range(num_ranks)]
@@ -317,8 +319,19 @@ class SampleBuffer:
                                f"during {phase}") from None
 
     # controller side
+    async def _bounded(self, coro, phase: str):
+        """A transport call under the buffer's timeout (a ManagerQueues round trip waits for the server;
+        in-process queues answer at once, and awaited directly they add no scheduling step)."""
+        if not self.t.round_trips:
+            return await coro
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.who}: the queue server did not answer within {self.timeout_s:.0f}s "
+                               f"during {phase}") from None
+
     async def put_tasks(self, tasks: list[RolloutTask]):
-        await self.t.put_many("tasks", tasks)
+        await self._bounded(self.t.put_many("tasks", tasks), "put tasks")
 
     async def get_sample(self, timeout: float | None = None) -> Sample:
         if not self.inbox:          # one round trip fetches every sample waiting
@@ -331,7 +344,7 @@ class SampleBuffer:
         return self.inbox.popleft() if self.inbox else None
 
     async def send_command(self, rank: int, cmd: Command):
-        await self.t.put_many("commands", [cmd], rank)
+        await self._bounded(self.t.put_many("commands", [cmd], rank), f"send a command to rank {rank}")
 
     async def get_ack(self, phase: str, timeout: float | None = None) -> Ack:
         return (await self._get_many("acks", phase, timeout=timeout, max_items=1))[0]
@@ -341,24 +354,26 @@ class SampleBuffer:
 
     # rollout side: polls from the rank's event loop, which must not stand still in a round trip to the
     # trainer's queue server while the engine's outputs wait (tools/bench_rollout.py measured 29-34%)
-    async def _polled(self, fn, *args):
-        return await asyncio.to_thread(fn, *args) if getattr(self.t, "round_trips", False) else fn(*args)
+    async def _polled(self, phase: str, fn, *args):
+        if not self.t.round_trips:
+            return fn(*args)
+        return await self._bounded(asyncio.to_thread(fn, *args), phase)
 
     async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
-        return await self._polled(self.get_tasks_nowait, max_items)
+        return await self._polled("poll tasks", self.get_tasks_nowait, max_items)
 
     async def poll_command(self, rank: int) -> Command | None:
-        return await self._polled(self.get_command_nowait, rank)
+        return await self._polled("poll commands", self.get_command_nowait, rank)
 
     async def poll_num_queued_tasks(self) -> int:
-        return await self._polled(self.num_queued_tasks)
+        return await self._polled("count queued tasks", self.num_queued_tasks)
 
     def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
         return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []
 
     async def put_samples(self, samples: list[Sample]):
         if samples:
-            await self.t.put_many("samples", samples)
+            await self._bounded(self.t.put_many("samples", samples), "put samples")
 
     def get_command_nowait(self, rank: int) -> Command | None:
         got = self.t.get_many_nowait("commands", 1, rank)
@@ -368,7 +383,7 @@ class SampleBuffer:
         return self.t.get_many_nowait("acks", self.MAX_BATCH)
 
     async def put_ack(self, ack: Ack):
-        await self.t.put_many("acks", [ack])
+        await self._bounded(self.t.put_many("acks", [ack]), f"put a {ack.phase} ack")
 
     def close(self):
         if hasattr(self.t, "shutdown"):

@@ -217,7 +217,7 @@ class FakeTimedEngine:
             want = self.length_sampler(self.rng)
         target = min(want, sampling.max_tokens)
         r = _FakeRequest(len(prompt_token_ids), target, "stop" if want <= sampling.max_tokens else "length",
-                         script, interval=getattr(sampling, "stream_interval", 1))
+                         script, interval=sampling.stream_interval)
         self.running[request_id] = r
         self.waiting.append(request_id)
         self._ensure_loop()

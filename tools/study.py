@@ -43,7 +43,7 @@ GROUP_SIZE = 8             # samples per prompt
 REDUNDANT = 4              # extra prompts admitted for dynamic filtering
 MINI_BATCHES = 2           # optimizer steps per batch: decoupled_ppo's clip acts from the second one
 # not train.py's 3e-4: at 3e-4 one step moves this tiny policy so far that 4-5 versions of staleness cost
-# every loss 5-15 points, and 1e-4 learns as well or better at ratio 0 (README: "Why they lose")
+# every loss 6-10 points, and 1e-4 learns more at ratio 0 (README's study section; results/study_lr3e-4)
 LR = 1e-4
 EVAL_PROMPTS = 256         # held-out problems, the same for every run (mean@4 over 1024 samples: +-0.015)
 EVAL_K = 4                 # samples per held-out problem at temperature 1 (mean@k)
