@@ -313,8 +313,9 @@ class SampleBuffer:
                         max_items: int = MAX_BATCH) -> list:
         timeout = self.timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(self.t.get_many(name, max_items, rank), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):      # (not wait_for: in 3.11 it can swallow a cancel)
+                return await self.t.get_many(name, max_items, rank)
+        except TimeoutError:
             raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s "
                                f"during {phase}") from None
 
@@ -325,8 +326,9 @@ class SampleBuffer:
         if not self.t.round_trips:
             return await coro
         try:
-            return await asyncio.wait_for(coro, self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                return await coro
+        except TimeoutError:
             raise TimeoutError(f"{self.who}: the queue server did not answer within {self.timeout_s:.0f}s "
                                f"during {phase}") from None
 

@@ -570,5 +570,6 @@ async def run_local(ctrl: AsyncController, managers: list, driver, timeout_s: fl
                 raise failed[0].exception()
             raise TimeoutError(f"run_local: the trainer's loop did not end within {timeout_s:.0f}s")
     await ctrl.stop()
-    await asyncio.wait_for(asyncio.gather(*runs), max(0.0, deadline - now()))
+    async with asyncio.timeout(max(0.0, deadline - now())):
+        await asyncio.gather(*runs)
     return main.result()

@@ -409,9 +409,12 @@ class EnvManager:
             if self.sync_task is None or (self.proxy.status == Status.SUSPENDED and not self.recovering):
                 await self._pull_tasks()
             self.wake.clear()
-            try:           # sleep one poll period, or less when a slot frees
-                await asyncio.wait_for(self.wake.wait(), self.cfg.poll_s)
-            except asyncio.TimeoutError:
+            # sleep one poll period, or less when a slot frees. (Not asyncio.wait_for: in Python 3.11 a
+            # cancel that lands as the event fires is swallowed, and a cancelled rank ran on for ever)
+            try:
+                async with asyncio.timeout(self.cfg.poll_s):
+                    await self.wake.wait()
+            except TimeoutError:
                 pass
 
     async def _close(self):
@@ -455,8 +458,11 @@ class EnvManager:
 
     async def _timed_sync(self, cmd: Command, running: set[str]):
         try:
-            await asyncio.wait_for(self._sync(cmd, running), self.sync_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.sync_timeout_s) as limit:
+                await self._sync(cmd, running)
+        except TimeoutError:
+            if not limit.expired():     # (a timeout of its own, inside the sync: reported as it is)
+                raise
             raise TimeoutError(f"rollout rank {self.rank}: weight sync to version {cmd.version} "
                                f"took longer than {self.sync_timeout_s:.0f}s") from None
 

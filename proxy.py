@@ -348,8 +348,8 @@ class LLMProxy:
     @classmethod
     async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0,
                          **engine_kwargs) -> "LLMProxy":
-        engine = await asyncio.wait_for(asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs),
-                                        timeout=max(timeout_s, 300))
+        async with asyncio.timeout(max(timeout_s, 300)):
+            engine = await asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs)
         return cls(engine, rank=rank, timeout_s=timeout_s)
 
     # --- utilisation bookkeeping: busy = has requests and not paused
@@ -474,8 +474,9 @@ class LLMProxy:
         finally:
             # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
             try:
-                await asyncio.wait_for(stream.aclose(), 5.0)
-            except (asyncio.TimeoutError, RuntimeError):
+                async with asyncio.timeout(5.0):
+                    await stream.aclose()
+            except (TimeoutError, RuntimeError):
                 pass
         if reason is None:
             raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish "

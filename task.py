@@ -282,7 +282,8 @@ class RewardPool:
                 ready = loop.create_future()
                 loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
                 try:
-                    await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
+                    async with asyncio.timeout_at(deadline):
+                        await ready
                 finally:
                     loop.remove_reader(conn.fileno())
             got_id, out = conn.recv()

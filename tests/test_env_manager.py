@@ -721,6 +721,32 @@ def test_a_rank_cancelled_during_a_sync_leaves_no_task_behind(tok):
     assert seen == ["cancelled"] and left == [] and m.stats()["in_flight"] == 0
 
 
+def test_a_rank_cancelled_as_its_loop_wakes_ends(tok):
+    """The control loop sleeps a poll period or until a slot frees (the wake event). A cancel that
+    lands in the same loop pass as the wake must end the rank: Python 3.11's asyncio.wait_for
+    swallows such a cancel (it returns the inner result), and a cancelled rank then ran on for ever
+    (tools/bench_rollout.py hung in CI that way). Each round wakes the loop and cancels it at once."""
+    async def main():
+        ended = []
+        for i in range(20):
+            buf = SampleBuffer(LocalQueues(1), "test")
+            m = make_manager(buf, tok)
+            await buf.put_tasks([add_task(f"t{i}-{j}", f"g{i}-{j}", target_len=50) for j in range(4)])
+            run = asyncio.create_task(m.run())
+            await acks_until(buf, Phase.READY)
+            await asyncio.sleep(0.2 + 0.0037 * i)     # mid poll period: the loop is asleep in its wait
+            m.wake.set()
+            run.cancel()
+            done, _ = await asyncio.wait({run}, timeout=100)
+            ended.append(bool(done) and run.cancelled())
+            if not done:            # (the old code: cancel again until it ends, so the test ends)
+                while not run.done():
+                    run.cancel()
+                    await asyncio.wait({run}, timeout=1)
+        return ended
+    assert run_virtual(main()) == [True] * 20
+
+
 def test_abort_groups_and_stop(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")

@@ -73,9 +73,11 @@ async def closed_loop(proxy, n: int, plen: int, lengths: list[int], vocab: int) 
             await proxy.generate(prompt, Sampling(max_tokens=length, ignore_eos=True))
         first_dry.set()
     tasks = [asyncio.ensure_future(stream(i)) for i in range(n)]
-    await asyncio.wait_for(first_dry.wait(), 300)
+    async with asyncio.timeout(300):
+        await first_dry.wait()
     dt, tokens = time.perf_counter() - t, proxy.num_tokens - tokens0
-    await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    async with asyncio.timeout(300):
+        await asyncio.gather(*tasks)
     return n * dt / tokens
 
 
