@@ -69,6 +69,8 @@ class RolloutConfig:
                              "float16")
     kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
     gpu_memory_utilization: float = opt(0.85, "GPU: the share of a rollout GPU's memory its engine may take")
+    enforce_eager: bool = opt(False, "GPU: run the engine eagerly (no CUDA graphs; faster start-up, slower "
+                                     "decoding); on CPU engines always run eagerly")
     poll_s: float = opt(0.01, "the env manager's control loop period (commands, task queue), seconds")
     stream_interval: int = opt(16, "the engine delivers a request's tokens in outputs of this many (1 = "
                                    "every token: Python per token on the rollout rank)")

@@ -131,12 +131,13 @@ class VLLMEngine:
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
               kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.85, dtype: str = "float32",
               seed: int = 0, cpu_cores: str = "", sleep_mode: bool = False, lora=None, adapter_dir: str = "",
-              **engine_kwargs) -> "VLLMEngine":
+              enforce_eager: bool | None = None, **engine_kwargs) -> "VLLMEngine":
         """max_model_len None: the model's own (max_position_embeddings). dtype float32 on CPU keeps
         engine and trainer logprobs equal to ~1e-6; GPUs run bfloat16. KV cache: kv_cache_gib on CPU
         (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU.
         lora (lora.LoraConfig, rank > 0): serve model_dir plus one LoRA adapter, the one in adapter_dir
-        (a --resume) or else none (the base model) until a weight sync sends one."""
+        (a --resume) or else none (the base model) until a weight sync sends one. enforce_eager None: eager
+        on CPU (vLLM's CPU build compiles nothing), CUDA graphs on GPU (vLLM's default)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
         # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
@@ -162,7 +163,8 @@ class VLLMEngine:
             engine_kwargs.setdefault("enable_sleep_mode", sleep_mode)     # --colocate
         args = AsyncEngineArgs(
             model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
+            max_num_seqs=max_num_seqs, seed=seed,
+            enforce_eager=not torch.cuda.is_available() if enforce_eager is None else enforce_eager,
             worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
             **engine_kwargs)
         affinity = os.sched_getaffinity(0)      # this thread's, given back once the engine's processes run

@@ -217,7 +217,8 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
                   gpu_memory_utilization=rc.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose,
-                  sleep_mode=cfg.colocate, lora=cfg.lora, adapter_dir=adapter_dir)
+                  sleep_mode=cfg.colocate, lora=cfg.lora, adapter_dir=adapter_dir,
+                  enforce_eager=True if rc.enforce_eager or device == "cpu" else None)
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)

@@ -284,3 +284,14 @@ def test_long_tailed_default_lengths():
 def test_sampling_validates():
     with pytest.raises(ValueError, match="max_tokens"):
         Sampling(max_tokens=0)
+
+
+@pytest.mark.parametrize("cuda, flag, eager", [(False, None, True), (True, None, False), (True, True, True)])
+def test_engines_capture_cuda_graphs_on_gpu_unless_told_not_to(monkeypatch, cuda, flag, eager):
+    """enforce_eager: always on CPU; on GPU vLLM's default (CUDA graphs) unless --enforce-eager."""
+    from proxy import VLLMEngine
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(VLLMEngine, "_start", classmethod(lambda cls, args: seen.setdefault("args", args)))
+    VLLMEngine.start("/nonexistent-model", enforce_eager=flag)
+    assert seen["args"].enforce_eager is eager
