@@ -2,6 +2,7 @@
 
     loss, metrics = compute_policy_loss(logp, old_logp, advantages, mask, "ppo", clip_high=0.28)
     adv = group_advantages(rewards, group_size=8)
+    kl, metrics = kl_penalty(logp, ref_logp, mask)     # --kl-coef's term: k3 to a reference, clamped
 
 Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behind the trained pi
 (`logp`). Per-token losses (r = exp(logp - old_logp), A = advantage, sg = stop-gradient):
@@ -78,8 +79,12 @@ class LossConfig:
                              "(Yao et al. 2025: 2)")
     icepop_low: float = opt(0.5, "--is-correction icepop: tokens with ratio below this get no gradient")
     icepop_high: float = opt(5.0, "--is-correction icepop: tokens with ratio above this get no gradient")
+    kl_coef: float = opt(0.0, "KL penalty to the initial model (k3, clamped: kl_penalty) times this, "
+                              "added to the loss; 0 = off, and no reference model is loaded")
 
     def __post_init__(self):
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"--kl-coef must be >= 0 (0 = off), got {self.kl_coef}")
         if self.loss not in VARIANTS:
             raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(VARIANTS)}")
         for gspo in (False, True):        # check_hparams' message, naming our flag
@@ -95,7 +100,7 @@ class LossConfig:
         """compute_policy_loss's keywords for this config's loss (gspo has its own clip range)."""
         gspo = self.loss == "gspo" if gspo is None else gspo
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)
-              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high")}
+              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high", "kl_coef")}
         if gspo:
             kw.update(clip_low=self.gspo_clip_low, clip_high=self.gspo_clip_high)
         return {**kw, "agg": self.loss_agg, "dual_clip": self.dual_clip or None,
@@ -224,6 +229,27 @@ def compute_policy_loss(
                            is_corrected_frac=mean(corrected.to(r.dtype)),
                            is_weight_max=torch.where(m, corr_w, 0.0).max().item() if m.numel() else 0.0)
     return loss, metrics
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
+               clamp: float = 10.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(pi || pi_ref) per token from pi's own samples, as a loss (the gradient through logp), verl's
+    "low_var_kl": the k3 estimator exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased under pi), with the
+    log-ratio clamped to [-20, 20] and the estimate to [-clamp, clamp] (verl's 10). logp, ref_logp, mask:
+    [B, T]; aggregated over the mask like the policy loss (`agg`). Metric `kl`: its token mean."""
+    if logp.dim() != 2 or ref_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"logp, ref_logp and mask must be [B, T] alike, got {tuple(logp.shape)}, "
+                         f"{tuple(ref_logp.shape)}, {tuple(mask.shape)}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}, got {agg!r}")
+    m = mask != 0                                                  # [B, T]
+    dt = torch.promote_types(logp.dtype, torch.float32)
+    log_r = torch.where(m, ref_logp.detach().to(dt) - logp.to(dt), 0.0)          # [B, T] log pi_ref / pi
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = torch.where(m, (log_r.exp() - log_r - 1.0).clamp(-clamp, clamp), 0.0)   # [B, T]
+    with torch.no_grad():
+        mean = (kl.sum() / m.sum().clamp(min=1)).item()
+    return _aggregate(kl, m, agg), {"kl": mean}
 
 
 def rollout_correction(prox: torch.Tensor, old: torch.Tensor, m: torch.Tensor, mode: str,

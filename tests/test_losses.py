@@ -618,3 +618,50 @@ def test_correction_needs_prox_logp_and_checks_its_settings():
                 dict(icepop_low=1.5), dict(icepop_high=0.9)):
         with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
             compute_policy_loss(logp, old, adv, mask, "ppo", prox_logp=old, **bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# --kl-coef's penalty: k3 to a reference, clamped (verl's low_var_kl)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_kl_penalty_is_the_clamped_k3_estimate_by_hand(agg):
+    """kl = exp(ref - logp) - (ref - logp) - 1 per token, clamped to [-10, 10], aggregated over the mask like
+    the policy loss; d kl / d logp = 1 - exp(ref - logp) inside the clamp, 0 where it binds. Written out on
+    floats: one token at the clamp (ref - logp = 12.5: k3 ~ 2.7e5), one with logp == ref (0), masked ones
+    holding garbage that must not count."""
+    from losses import kl_penalty
+    logp = [[-1.0, -2.0, -0.5, float("nan")], [-3.0, -0.2, -13.0, -1.0]]
+    ref = [[-1.5, -2.0, -3.0, 5.0], [-1.0, -0.7, -0.5, float("inf")]]
+    mask = [[1, 1, 1, 0], [1, 1, 1, 0]]
+    per_tok, grad = {}, {}
+    for b in range(2):
+        for t in range(4):
+            if mask[b][t]:
+                d = ref[b][t] - logp[b][t]
+                k3 = math.exp(d) - d - 1
+                per_tok[b, t] = min(max(k3, -10.0), 10.0)
+                grad[b, t] = (1.0 - math.exp(d)) if -10 < k3 < 10 else 0.0
+    if agg == "token-mean":
+        want = sum(per_tok.values()) / len(per_tok)
+        scale = {k: 1 / len(per_tok) for k in per_tok}
+    else:
+        rows = {b: [k for k in per_tok if k[0] == b] for b in range(2)}
+        want = sum(sum(per_tok[k] for k in ks) / len(ks) for ks in rows.values()) / 2
+        scale = {k: 1 / (len(rows[k[0]]) * 2) for k in per_tok}
+    lp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
+    loss, m = kl_penalty(lp, torch.tensor(ref, dtype=torch.float64), torch.tensor(mask), agg=agg)
+    loss.backward()
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    assert m["kl"] == pytest.approx(sum(per_tok.values()) / len(per_tok), rel=1e-12)
+    for (b, t), g in grad.items():
+        assert lp.grad[b, t].item() == pytest.approx(g * scale[b, t], rel=1e-9, abs=1e-15)
+    assert lp.grad[0, 3].item() == 0 and lp.grad[1, 3].item() == 0       # masked: nothing, not even nan
+    assert per_tok[1, 2] == 10.0 and per_tok[0, 1] == 0.0                # the clamp bound, and logp == ref
+
+
+def test_kl_coef_is_validated_and_not_a_policy_loss_keyword():
+    from losses import LossConfig
+    with pytest.raises(ValueError, match="--kl-coef"):
+        LossConfig(kl_coef=-0.1)
+    assert "kl_coef" not in LossConfig(kl_coef=0.05).loss_kwargs()
