@@ -181,7 +181,7 @@ class RunLog:
         diff = ready.get("sync_probe_max_diff")
         print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in "
                f"{self.t_ready - self.t_start:.1f}s since launch"
-               + (f", probe diff {diff:.1e}" if diff is not None else ""))
+               + (f", {probe_verdict(diff, self.cfg)}" if diff is not None else ""))
         return ready
 
     def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
@@ -280,6 +280,22 @@ class RunLog:
                          f"request events not written (over --max-events {self.cfg.max_events} "
                          f"or a rank's cap)")
         return "\n".join(lines)
+
+
+# The probe's largest |engine - trainer| logprob that is rounding, not a fault: float32 on both sides
+# agrees to ~5e-6 (the default run); bfloat16 on either side (--precision bf16, --dtype bfloat16) rounds
+# every weight and activation to 8 bits (measured: DESIGN.md#precision---precision)
+PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.25}
+
+
+def probe_verdict(diff: float, cfg) -> str:
+    """'probe diff X', judged at the run's precision: bf16's tolerance if the trainer or the engines
+    compute in 16 bits, else float32's."""
+    kind = ("bf16" if getattr(cfg.train, "precision", "fp32") == "bf16"
+            or cfg.rollout.dtype not in ("float32", "auto") else "fp32")
+    tol = PROBE_TOLERANCE[kind]
+    return (f"probe diff {diff:.1e} (within {kind}'s {tol:g})" if diff <= tol else
+            f"probe diff {diff:.1e} ABOVE {kind}'s {tol:g}: do the engines hold the trainer's weights?")
 
 
 def trim_metrics(out_dir: str, step: int):

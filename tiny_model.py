@@ -79,18 +79,22 @@ def build_tokenizer():
     return fast
 
 
-def build_model(cfg: TinyConfig):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hf_cfg = Qwen2Config(
+def hf_config(cfg: TinyConfig):
+    """The model's Hugging Face config (what memplan reads for a --dry-run before any build)."""
+    from transformers import Qwen2Config
+    return Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_len,
         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1,
         torch_dtype="float32", rope_theta=10000.0,
     )
+
+
+def build_model(cfg: TinyConfig):
+    from transformers import Qwen2ForCausalLM
     torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(hf_cfg).float()
+    return Qwen2ForCausalLM(hf_config(cfg)).float()
 
 
 def sft_segments(p: task.Problem, tool: bool) -> list[tuple[str, bool]]:

@@ -37,7 +37,7 @@ from env_manager import EnvManager, RolloutConfig
 from envs import FaultConfig, PromptFormat
 from lora import LoraConfig, check_lora
 from proxy import LLMProxy, Sampling, VLLMEngine, cpu_layout, engine_gpu
-from runlog import RunLog, check_tracker, eval_line, print0, trim_metrics
+from runlog import RunLog, check_tracker, eval_line, print0, probe_verdict, trim_metrics
 from task import DataConfig, Problem, load_dataset
 from timeline import RankEvents
 from trainer import PROBE_TEXT, TrainConfig, Trainer, TrainerRanks, check_model_dir, check_run_dir, collective
@@ -81,6 +81,9 @@ class Config:
                                "(rank 0)")
     tracker_project: str = opt("roll-flash-nano", "project for --tracker wandb / trackio (the run: "
                                                   "out_dir's name)")
+    dry_run: str = opt("", "print the memory plan (memplan.py) for --model and the layout given, then exit "
+                           "before any process group or engine starts (no torchrun needed): gpu | cpu | auto "
+                           "(--dry-run alone: this machine's)", const="auto")
     max_events: int = opt(100_000, "request events kept in out_dir/events.jsonl for tools/plot.py's "
                                    "timeline; 0 = no events file")
     data: DataConfig = part(DataConfig)                   # --data, --task, --eval-data, ...
@@ -95,6 +98,8 @@ class Config:
             raise ValueError(f"--resume must be no, yes or auto, got {self.resume!r}")
         if self.resume != "no" and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
+        if self.dry_run not in ("", "gpu", "cpu", "auto"):
+            raise ValueError(f"--dry-run must be gpu, cpu or auto (alone: auto), got {self.dry_run!r}")
         for name, low in (("rollout_gpus", 1), ("train_gpus", 1), ("steps", 1), ("bucket_mb", 1),
                           ("save_every", 0), ("eval_every", 0), ("check_sync_every", 0), ("max_events", 0),
                           ("time_limit_min", 0)):
@@ -152,16 +157,17 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
         {**{k: v for k, v in r.items() if k != "proxy"}, "engine_in_flight": r["proxy"]["in_flight"]}
         for r in ranks_stats]}
     (Path(cfg.out_dir) / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
-    log.finish(f"last sync (version {last['synced_version']}): probe diff {last['sync_probe_max_diff']:.1e}"
-               if last.get("sync_probe_max_diff") is not None else "")
+    diff = last.get("sync_probe_max_diff")
+    log.finish(f"last sync (version {last['synced_version']}): {probe_verdict(diff, cfg)}"
+               if diff is not None else "")
 
 
 def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
-                adapter_dir: str = ""):
+                adapter_dir: str = "", base_dir: str = ""):
     from transformers import AutoTokenizer
     timeout = cfg.controller.timeout_s
     trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device,
-                      lora=cfg.lora, adapter_dir=adapter_dir)
+                      lora=cfg.lora, adapter_dir=adapter_dir, ref_dir=base_dir)     # (--kl-coef's reference)
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
@@ -286,6 +292,19 @@ def init_distributed(cfg: Config):
     return rank, world, device, engine_core, trainer_group, store.underlying_store
 
 
+def memory_plan(cfg: Config, model_dir: str, gpu: bool) -> str:
+    """memplan.py's plan for this model (model_dir's config; none: the embedded one's) and layout."""
+    import memplan
+    import tiny_model
+    from transformers import AutoConfig
+    tiny = tiny_model.CALC if cfg.controller.env == "calc" else tiny_model.TinyConfig()
+    hf = AutoConfig.from_pretrained(model_dir) if model_dir else tiny_model.hf_config(tiny)
+    gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+           if gpu and torch.cuda.is_available() else None)
+    name = Path(model_dir).name or "the embedded model"
+    return memplan.format_plan(memplan.make_plan(hf, cfg, gpu, name, gib))
+
+
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -294,6 +313,11 @@ def cleanup():
 def main():
     cfg = parse_cli(Config, doc=__doc__)
     quiet.setup(cfg.verbose)          # before vLLM or transformers load: library logs at warning level
+    if cfg.dry_run:                   # the memory plan, then nothing else
+        if cfg.model and not (Path(cfg.model) / "config.json").exists():
+            sys.exit(f"train.py: --model {cfg.model}: no config.json (a Hugging Face model dir)")
+        gpu = cfg.dry_run == "gpu" or (cfg.dry_run == "auto" and torch.cuda.is_available())
+        return print(memory_plan(cfg, cfg.model, gpu))
     from buffer import die_with_parent
     die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
@@ -316,15 +340,16 @@ def main():
         # a resumed run starts from its checkpoint: the full model, or (LoRA) the base plus its adapter
         ckpt = str(Path(cfg.out_dir) / "checkpoint") if state else ""
         adapter_dir = ckpt if cfg.lora.lora_rank else ""
-        model_dir = ckpt if ckpt and not adapter_dir else cfg.model
-        if not model_dir:     # the embedded model (--env calc: the one warm-started to call the calculator)
+        base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
+        if not base_dir:     # the embedded model (--env calc: the one warm-started to call the calculator)
             import tiny_model
             out, tiny = ((tiny_model.CALC_DIR, tiny_model.CALC) if cfg.controller.env == "calc"
                          else (tiny_model.DEFAULT_DIR, tiny_model.TinyConfig()))
             if rank == 0:
                 tiny_model.ensure_tiny_model(out, tiny, log=print0)
             collective("waiting for rank 0 to build the tiny model", dist.barrier)
-            model_dir = str(out)
+            base_dir = str(out)
+        model_dir = ckpt if ckpt and not adapter_dir else base_dir
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
         if cfg.lora.lora_rank:
@@ -334,7 +359,8 @@ def main():
                 raise SystemExit(f"train.py: {e}") from None
         custom_reward = bool(cfg.data.data or cfg.data.task or cfg.rollout.reward)
         cfg = dataclasses.replace(cfg, rollout=cfg.rollout.resolved(model_dir, device, not cfg.model,
-                                                                    custom_reward, cfg.controller.env))
+                                                                    custom_reward, cfg.controller.env),
+                                  train=cfg.train.resolved(device))      # precision, checkpointing
         rc = cfg.rollout
         if rank == 0:
             if state:
@@ -346,11 +372,13 @@ def main():
                    f"up to {rc.max_tokens} tokens a turn), "
                    f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}"
                    + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
+            print0(memory_plan(cfg, model_dir, device.startswith("cuda")))
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
         if rank < cfg.train_gpus:
-            run_trainer(cfg, rank, device, trainer_group, store, model_dir, state, addr[0], adapter_dir)
+            run_trainer(cfg, rank, device, trainer_group, store, model_dir, state, addr[0], adapter_dir,
+                        base_dir)
         else:
             run_rollout(cfg, rank, device, model_dir, state, addr[0], engine_core, adapter_dir)
         collective("final barrier", dist.barrier)

@@ -1,21 +1,25 @@
 """trainer.py: the training side, on every trainer rank: model, optimizer, FSDP2 data parallel,
-logprobs, checkpoints; and TrainerRanks, the trainer ranks in lockstep under rank 0.
+mixed precision, logprobs, checkpoints; and TrainerRanks, the trainer ranks in lockstep under rank 0.
 
     trainer = Trainer(model_dir, TrainConfig(...), trainer_group)
     metrics = trainer.train_step(samples, advantages, version)   # this rank's shard of the batch
     for name, tensor in trainer.iter_full_state(): ...           # full HF-named weights (collective)
     trainer.save_checkpoint(out_dir, state)                       # collective; rank 0 writes
 
-FSDP2 (`fully_shard` per decoder layer and on the whole model) over the trainer group when it has
-more than one rank. A batch is --ppo-epochs passes of --mini-batches optimizer steps; under FSDP
-every rank runs the same number of micro-batches (short ranks run empty ones of weight 0).
-Simplifications: with one optimizer step per batch decoupled PPO's proximal policy is the current
-one; mini-batches keep their samples across epochs; each rank's loss is its local mean (ranks weigh
-equally); the optimizer state is saved per rank, so a resume needs the same --train-gpus.
-Details: DESIGN.md#trainerpy.
+FSDP2 (`fully_shard` per decoder layer, then the root) over the trainer group when it has more than
+one rank; no rank then holds the whole model: it is built on the meta device, sharded, and each rank
+reads only its own shards (shard.py). --precision bf16: bfloat16 compute, float32 master weights, optimizer
+state and gradient reduce. Log-probs come from microbatch.PolicyNet (the LM head chunk by chunk, never
+[B, T, V]); micro-batches are --micro-batch samples or packed by --max-tokens-per-micro. A batch is
+--ppo-epochs passes of --mini-batches optimizer steps; under FSDP every rank runs the same number of
+micro-batches (short ranks run empty ones of weight 0). --kl-coef > 0 adds a KL penalty to a frozen,
+sharded copy of the initial model (LoRA: the base, adapter off). Simplifications: mini-batches keep
+their samples across epochs; each rank's loss is its local mean (ranks weigh equally); the optimizer
+state is saved per rank, so a resume needs the same --train-gpus. Details: DESIGN.md#trainerpy.
 """
 
 import errno
+import functools
 import itertools
 import json
 import math
@@ -24,7 +28,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,11 +37,10 @@ import torch.distributed as dist
 
 import lora as lora_mod      # (Trainer's own `lora` is its LoraConfig)
 import losses
-from buffer import Sample
+import shard
 from config import flag, opt
-
-# a micro-batch with nothing to learn (FSDP padding)
-EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
+# (collate, token_logprobs: imported from here by tests and tools too)
+from microbatch import EMPTY, collate, pack_by_tokens, split, token_logprobs
 
 
 @dataclass
@@ -56,11 +59,23 @@ class TrainConfig(losses.LossConfig):
                                               "the engine (mu); mu stays in decoupled_ppo's and "
                                               "--is-correction's weights (losses table: DESIGN.md)")
     micro_batch: int = opt(64, "sequences per forward/backward on a trainer rank")
+    max_tokens_per_micro: int = opt(0, "micro-batches packed by tokens instead: rows x longest row <= this "
+                                       "(greedy, longest first; a longer sample goes alone); 0 = off "
+                                       "(--micro-batch samples each)")
+    precision: str = opt("auto", "training precision: bf16 (bfloat16 compute, float32 master weights, "
+                                 "optimizer state and gradient reduce) | fp32 | auto (bf16 on GPU, fp32 on "
+                                 "CPU)")
+    grad_checkpointing: str = opt("auto", "recompute each decoder layer's activations in backward "
+                                          "(non-reentrant): on | off | auto (on on GPU, off on CPU)",
+                                  const="on")
+    logits_chunk: int = opt(1024, "positions per LM-head chunk in the log-prob forward: its [chunk, vocab] "
+                                  "float32 logits are the largest tensor there")
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
 
     def __post_init__(self):
         super().__post_init__()
-        for name, low in (("micro_batch", 1), ("ppo_epochs", 1), ("mini_batches", 1), ("warmup_steps", 0)):
+        for name, low in (("micro_batch", 1), ("ppo_epochs", 1), ("mini_batches", 1), ("warmup_steps", 0),
+                          ("max_tokens_per_micro", 0), ("logits_chunk", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
         for name in ("lr", "grad_clip"):
@@ -68,41 +83,20 @@ class TrainConfig(losses.LossConfig):
                 raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for name, allowed in (("precision", ("auto", "bf16", "fp32")),
+                              ("grad_checkpointing", ("auto", "on", "off"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
 
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logprob of every token given the tokens before it, under `model`.
-
-    input_ids, attention_mask: [B, T], right-padded. Returns [B, T] float32; column 0 (no context)
-    and padded positions are 0. Matches what the engine reports for the same tokens (float32)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [B, T, V]
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)                                    # [B, T-1, V]
-    taken = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)                         # [B, T-1]
-    return torch.cat([torch.zeros_like(taken[:, :1]), taken * attention_mask[:, 1:]], dim=1)
-
-
-def collate(samples, device) -> dict[str, torch.Tensor]:
-    """Samples -> right-padded tensors. A response token at absolute position p has its behaviour
-    logprob and loss mask at column p, the same column token_logprobs() gives its logprob."""
-    width = max(s.num_tokens for s in samples)
-    B = len(samples)
-    input_ids = torch.zeros(B, width, dtype=torch.long)
-    attn = torch.zeros(B, width, dtype=torch.long)
-    old_logp = torch.zeros(B, width)
-    mask = torch.zeros(B, width)
-    for i, s in enumerate(samples):
-        n_p, n = len(s.prompt_ids), s.num_tokens
-        input_ids[i, :n] = torch.tensor(s.prompt_ids + s.response_ids)
-        attn[i, :n] = 1
-        old_logp[i, n_p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        mask[i, n_p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    return {k: v.to(device)
-            for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
-
-
-def split(items: list, n: int) -> list[list]:
-    """n contiguous parts of near-equal size (some empty when len(items) < n)."""
-    return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+    def resolved(self, device: str) -> "TrainConfig":
+        """The settings that default to the device's: bf16 and activation checkpointing on GPU, not on CPU
+        (so the CPU tests stay exact in float32)."""
+        gpu = str(device).startswith("cuda")
+        return replace(self, precision=(self.precision if self.precision != "auto"
+                                        else "bf16" if gpu else "fp32"),
+                       grad_checkpointing=(self.grad_checkpointing if self.grad_checkpointing != "auto"
+                                           else "on" if gpu else "off"))
 
 
 def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
@@ -116,39 +110,32 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
-                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = ""):
+                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = "", ref_dir: str = ""):
         """lora with lora_rank > 0: train a PEFT adapter on the frozen model (adapter_dir: start from
         that saved adapter, a --resume); its tensors are then all that named_weights() and the
-        checkpoints hold."""
-        from transformers import AutoModelForCausalLM
-
-        self.cfg = cfg
+        checkpoints hold. ref_dir: --kl-coef's reference model (default model_dir; a resumed run passes
+        the model it started from)."""
+        self.device = torch.device(device)
+        self.cfg = cfg = cfg.resolved(self.device.type)
         self.lora = lora if lora is not None and lora.lora_rank else None
         self.group = group
-        self.device = torch.device(device)
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        if self.lora:
-            model = lora_mod.wrap(model, self.lora)
-            if adapter_dir:
-                lora_mod.load_adapter(model, adapter_dir)
         self.fsdp = self.world > 1
-        if self.fsdp:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-
-            ranks = dist.get_process_group_ranks(group)
-            mesh = DeviceMesh.from_group(group, self.device.type, mesh=torch.tensor(ranks))
-            # (PEFT: the decoder layers are the wrapped model's; frozen base weights shard alike)
-            for layer in (model.get_base_model() if self.lora else model).model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        self.model = model
+        self.bf16 = cfg.precision == "bf16"
+        torch.manual_seed(cfg.seed)
+        build = functools.partial(shard.build, device=self.device, group=group if self.fsdp else None,
+                                  bf16=self.bf16, chunk=cfg.logits_chunk)
+        self.model, self.net = build(model_dir, lora=self.lora, checkpointing=cfg.grad_checkpointing == "on")
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        if self.lora:
+            shard.set_adapter(self.model, adapter_dir, cfg.seed)
+        # --kl-coef: a frozen copy of the initial model, sharded like the policy (LoRA: the base itself,
+        # with the adapter switched off, so no copy); 0 = none loaded
+        self.ref_net = (build(ref_dir or model_dir, frozen=True)[1]
+                        if cfg.kl_coef > 0 and not self.lora else None)
         # LoRA: only the adapter trains, so only it has optimizer state
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
         self.num_steps = 0                # batches trained (restored on resume; the LR warm-up counts these)
 
@@ -163,16 +150,21 @@ class Trainer:
         when the loss needs them: decoupled_ppo's proximal policy, frozen for the whole batch (so its
         clip acts from the second optimizer step on), --is-correction's pi_prox (the same role, on top
         of any loss), or --recompute-old-logprobs (they take mu's place in the ratio; mu stays in the
-        weights: losses.compute_policy_loss's ref_prox).
+        weights: losses.compute_policy_loss's ref_prox). --kl-coef's reference logprobs likewise, once.
+        Every log-prob is computed at the loss mask's positions only (microbatch.PolicyNet); `entropy` is
+        the policy's mean entropy there.
         Returns metrics averaged over the optimizer steps (rank 0's: each rank reports its own shard);
         self.update_metrics keeps them per step."""
         cfg = self.cfg
         self.model.train()
         plan = self._plan(samples, advantages, version)     # [mini-batch][micro-batch] -> tensors
-        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none":
-            with torch.no_grad():
-                for micro in (t for mini in plan for t in mini):
-                    micro["pre"] = token_logprobs(self.model, micro["input_ids"], micro["attn"])
+        pre = cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none"
+        with torch.no_grad():
+            for micro in (t for mini in plan for t in mini):
+                if pre:
+                    micro["pre"] = self.logprobs(micro)
+                if cfg.kl_coef > 0:
+                    micro["ref"] = self.ref_logprobs(micro)
         lr = cfg.lr * min(1.0, (self.num_steps + 1) / max(cfg.warmup_steps, 1))
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -184,12 +176,18 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {"loss": 0.0}
                 for t in mini:
-                    logp = token_logprobs(self.model, t["input_ids"], t["attn"])          # [B, T], with grad
+                    entropy = []
+                    logp = self.logprobs(t, entropy)                                      # [B, T], with grad
                     if epoch == 0 and (j == 0 or "pre" in t):   # trainer logprobs before any update: the gap
                         add_gap(gap, t, t.get("pre", logp.detach()))
                     loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
                                                          prox_logp=t.get("pre"),
                                                          ref_prox=cfg.recompute_old_logprobs, **kw)
+                    if cfg.kl_coef > 0:
+                        kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.loss_agg)
+                        loss = loss + cfg.kl_coef * kl
+                        m.update(kl_m)
+                    m["entropy"] = (entropy[0].sum() / max(len(entropy[0]), 1)).item()   # over the mask
                     # weights: the step's loss is the mini-batch's token-mean
                     (loss * t["weight"]).backward()
                     for k, v in {"loss": loss.item(), **m}.items():
@@ -220,27 +218,49 @@ class Trainer:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # (Linux: KiB)
         return {"optimizer_state_mb": state / 1e6, "mem_peak_gb": peak / 1e9}
 
+    def logprobs(self, t: dict, entropy: list | None = None) -> torch.Tensor:
+        """The policy's logprobs [B, T] of micro-batch t's tokens at its loss mask (0 elsewhere)."""
+        return token_logprobs(self.net, t["input_ids"], t["attn"], t["mask"], entropy=entropy)
+
+    @torch.no_grad()
+    def ref_logprobs(self, t: dict) -> torch.Tensor:
+        """--kl-coef's reference logprobs [B, T] (the initial model; LoRA: the base, adapter off)."""
+        if self.ref_net is not None:
+            return token_logprobs(self.ref_net, t["input_ids"], t["attn"], t["mask"])
+        with self.model.disable_adapter():
+            return self.logprobs(t)
+
     def _plan(self, samples, advantages, version) -> list[list[dict]]:
         """This rank's samples as mini-batches of collated micro-batches, each with its loss weight.
+        Micro-batches: --micro-batch samples each, or (--max-tokens-per-micro) packed by tokens.
         Under FSDP every rank must run the same number of forward/backward passes and optimizer steps
-        (each is a collective): the counts come from the largest rank's sample count, and a rank
-        with too few samples runs an empty micro-batch (one masked token, weight 0) in their place."""
+        (each is a collective): each mini-batch's micro-batch count is the largest rank's, and a rank
+        with fewer runs empty micro-batches (one masked token, weight 0) in their place."""
         cfg = self.cfg
-        most = len(samples)
-        if self.fsdp:
-            n = torch.tensor([most], device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-            most = int(n.item())
         order = list(range(len(samples)))
         if cfg.mini_batches > 1:      # a batch arrives grouped by prompt: mini-batches mix prompts
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(
                 cfg.seed * 100_003 + self.num_steps)).tolist()
-        num_micro = max(1, math.ceil(math.ceil(most / cfg.mini_batches) / cfg.micro_batch))   # per mini-batch
+        minis = split(order, cfg.mini_batches)
+        pack = cfg.max_tokens_per_micro
+        if pack:
+            parts = []
+            for mini in minis:
+                packed = pack_by_tokens([samples[i].num_tokens for i in mini], pack)
+                parts.append([[mini[k] for k in part] for part in packed])
+            counts = [len(p) for p in parts]
+        else:          # near-equal parts of at most --micro-batch samples
+            counts = [math.ceil(math.ceil(len(samples) / cfg.mini_batches) / cfg.micro_batch)] * len(minis)
+        counts = torch.tensor([max(1, c) for c in counts], device=self.device)      # per mini-batch
+        if self.fsdp:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
         plan = []
-        for mini in split(order, cfg.mini_batches):
+        for j, (mini, count) in enumerate(zip(minis, counts.tolist())):
+            # the largest rank's count: packed parts padded with empty ones, or that many equal parts
+            mini_parts = parts[j] + [[]] * (count - len(parts[j])) if pack else split(mini, count)
             tokens = sum(sum(samples[i].loss_mask) for i in mini)
             micros = []
-            for part in split(mini, num_micro):
+            for part in mini_parts:
                 batch = [samples[i] for i in part] or [EMPTY]
                 t = collate(batch, self.device)
                 t["adv"] = torch.tensor([advantages[i] for i in part] or [0.0], dtype=torch.float32,
@@ -263,7 +283,7 @@ class Trainer:
         """The trainer's logprobs of a probe sequence (collective under FSDP: call on every trainer rank)."""
         self.model.eval()
         ids = torch.tensor([token_ids], device=self.device)
-        return token_logprobs(self.model, ids, torch.ones_like(ids))[0, 1:].tolist()
+        return token_logprobs(self.net, ids, torch.ones_like(ids))[0, 1:].tolist()
 
     # --- weights out
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

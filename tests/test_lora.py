@@ -94,7 +94,9 @@ def test_fsdp2_two_ranks_train_the_same_adapter_as_one_process(tiny_model_dir, t
              nprocs=2)
     got = torch.load(out)
     assert set(got) == set(ref) and all(is_adapter_tensor(n) for n in got)
-    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+    # Adam's first step divides by |g| + 1e-8: gradients equal to ~1e-7 (float32 reduction order) leave up to
+    # ~5e-5 between the weights where |g| ~ 1e-8 (PEFT's own init gave 2e-5 and 4.9e-5 at seeds 1 and 3)
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-4
     assert max(ref[k].abs().max().item() for k in ref if ".lora_B." in k) > 0     # it did train
 
 

@@ -221,3 +221,245 @@ def test_is_correction_weighs_the_trainer_against_the_engines_logprobs(tiny_mode
     both = Trainer(str(tiny_model_dir), dataclasses.replace(cfg, recompute_old_logprobs=True)).train_step(
         stale, [1.0, -1.0, 1.0, -1.0])                    # the flag and a correction combine: mu still weighs
     assert both["is_corrected_frac"] == 1.0 and both["mismatch_kl"] == pytest.approx(off["mismatch_kl"])
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 30: a sharded start, bf16, token-budget micro-batches, KL to a reference, entropy
+
+
+def _steps_worker(rank, world, port, model_dir, samples, adv, out, train_kw, steps=1, lora_rank=0):
+    """One of `world` FSDP2 ranks: what its Trainer holds right after the start (no from_pretrained allowed:
+    a sharded start reads only its own shards), then `steps` train steps on its shard of the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from lora import LoraConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def refuse(*a, **kw):
+        raise AssertionError("a trainer rank under FSDP loaded the whole model")
+    AutoModelForCausalLM.from_pretrained = refuse
+    tr = Trainer(model_dir, TrainConfig(**train_kw), dist.group.WORLD, lora=LoraConfig(lora_rank=lora_rank))
+    lm = tr.model.get_base_model() if lora_rank else tr.model
+    start = {"tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
+             "local": sum(p.to_local().numel() for p in tr.model.parameters()),
+             "dtypes": sorted({str(p.dtype) for p in tr.model.parameters()}),
+             "inv_freq": lm.model.rotary_emb.inv_freq.clone(),
+             "weights": {n: v.full_tensor().clone() for n, v in tr.model.state_dict().items()},
+             "probe": tr.probe_logprobs(list(range(2, 20)))}
+    metrics = [tr.train_step(samples[rank::world], adv[rank::world]) for _ in range(steps)]
+    grads = sorted({str(p.grad.dtype) for p in tr.model.parameters() if p.grad is not None})
+    end = dict(tr.full_state())
+    if rank == 0:
+        torch.save({"start": start, "metrics": metrics, "grads": grads, "end": end}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_steps(tmp_path, model_dir, samples, adv, train_kw, steps=1, lora_rank=0, world=2):
+    out = tmp_path / "r0.pt"
+    mp.spawn(_steps_worker, args=(world, free_port(), str(model_dir), samples, adv, str(out), train_kw, steps,
+                                  lora_rank), nprocs=world)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_sharded_start_holds_half_the_model_and_the_same_weights(tiny_model_dir, tmp_path, lora_rank):
+    """2 FSDP ranks start without loading the whole model (from_pretrained refused in them): each holds
+    half of every weight, the tied head is the embedding's tensor, the rotary tables are recomputed, and the
+    weights (LoRA: base and the adapter's init) are exactly the single-rank trainer's."""
+    from lora import LoraConfig
+    single = Trainer(str(tiny_model_dir), TrainConfig(), lora=LoraConfig(lora_rank=lora_rank))
+    got = spawn_steps(tmp_path, tiny_model_dir, make_samples(tiny_model_dir), [1.0, -1.0, 1.0, -1.0],
+                      dict(loss="ppo"), lora_rank=lora_rank)["start"]
+    lm = single.model.get_base_model() if lora_rank else single.model
+    total = sum(p.numel() for p in single.model.parameters())
+    assert got["tied"] and abs(got["local"] - total / 2) < 0.01 * total
+    assert torch.equal(got["inv_freq"], lm.model.rotary_emb.inv_freq)
+    want = single.model.state_dict()
+    assert set(got["weights"]) == set(want)
+    assert all(torch.equal(got["weights"][n], want[n]) for n in want)
+    assert got["probe"] == pytest.approx(single.probe_logprobs(list(range(2, 20))), abs=1e-6)
+
+
+def test_bf16_keeps_float32_masters_and_learns(tiny_model_dir):
+    """--precision bf16 on one rank: weights and AdamW moments stay float32, the forward runs in bfloat16
+    (logprobs off the float32 ones by more than float32 rounding, by less than bf16's probe tolerance), and a
+    step moves each sample's logprob along its advantage. What the engines get is in their dtype: bfloat16
+    halves the sync's bytes."""
+    from runlog import PROBE_TOLERANCE
+    from weight_sync import meta_bytes, weight_meta
+    samples = make_samples(tiny_model_dir)
+    t = collate(samples, "cpu")
+    fp32 = Trainer(str(tiny_model_dir), TrainConfig())
+    tr = Trainer(str(tiny_model_dir), TrainConfig(lr=1e-3, precision="bf16"))
+    with torch.no_grad():
+        gap = (tr.logprobs(t) - fp32.logprobs(t)).abs().max().item()
+        before = (tr.logprobs(t)).sum(1)
+    assert 1e-4 < gap < PROBE_TOLERANCE["bf16"]
+    tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])
+    with torch.no_grad():
+        delta = (tr.logprobs(t).sum(1) - before).tolist()
+    assert delta[0] > 0 and delta[2] > 0 and delta[1] < 0 and delta[3] < 0
+    assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in tr.opt.state.values()} == {torch.float32}
+    named = tr.named_weights()
+    assert 2 * meta_bytes(weight_meta(named, "bfloat16")) == meta_bytes(weight_meta(named, "float32"))
+
+
+def test_fsdp_bf16_computes_in_bfloat16_and_reduces_in_float32(tiny_model_dir, tmp_path):
+    """2 FSDP ranks under --precision bf16 (MixedPrecisionPolicy): float32 shards and float32 gradients
+    (reduced in float32), a bfloat16 forward (its probe off the float32 one beyond float32 rounding), and the
+    two ranks end with the single-rank bf16 trainer's weights to bf16 rounding of one Adam step."""
+    samples = make_samples(tiny_model_dir)
+    adv = [1.0, -1.0, 0.5, -0.5]
+    kw = dict(loss="ppo", lr=1e-3, warmup_steps=1, precision="bf16")
+    got = spawn_steps(tmp_path, tiny_model_dir, samples, adv, kw)
+    fp32 = Trainer(str(tiny_model_dir), TrainConfig()).probe_logprobs(list(range(2, 20)))
+    assert got["start"]["dtypes"] == ["torch.float32"] and got["grads"] == ["torch.float32"]
+    assert 1e-4 < max(abs(a - b) for a, b in zip(got["start"]["probe"], fp32)) < 0.25
+    single = Trainer(str(tiny_model_dir), TrainConfig(**kw))
+    start = dict(single.full_state())
+    single.train_step(samples, adv)
+    ref = dict(single.full_state())
+    moved = [(got["end"][k] - start[k]).abs().max().item() for k in ref]
+    assert max(moved) > 5e-4                                                   # it trained
+    # at most a sign flip of one Adam step (2 lr) where bf16 rounding turns a tiny gradient around
+    assert max((got["end"][k] - ref[k]).abs().max().item() for k in ref) <= 2e-3 + 1e-6
+
+
+def grads_of_one_step(tr, samples, adv):
+    """The gradients the optimizer step sees (the step itself is skipped)."""
+    seen = {}
+
+    def capture():
+        seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None})
+    tr.opt.step = capture
+    tr.train_step(samples, adv)
+    return seen
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_the_same_gradient(tiny_model_dir, agg):
+    """--max-tokens-per-micro packs samples of different lengths by tokens (here 3 micro-batches of up to 40
+    token slots): the gradient equals one sample per micro-batch, within 1e-6 (its largest entry is ~0.07;
+    float32 batching alone puts 3e-7 between them: --micro-batch 8 is as far), and the packed micro-batches
+    hold fewer padding slots than one micro-batch of all 8."""
+    from microbatch import pack_by_tokens, padded_share
+    samples = []
+    for i, n in enumerate([3, 11, 5, 8, 2, 9, 14, 4]):
+        samples += make_samples(tiny_model_dir, n=1, resp_len=n, seed=i)
+    adv = [1.0, -1.0, 0.5, -0.5, 1.0, -0.3, 0.2, -1.0]
+    one = grads_of_one_step(Trainer(str(tiny_model_dir), TrainConfig(loss_agg=agg, micro_batch=1)), samples,
+                            adv)
+    packed_tr = Trainer(str(tiny_model_dir), TrainConfig(loss_agg=agg, max_tokens_per_micro=40))
+    packed = grads_of_one_step(packed_tr, samples, adv)
+    assert set(packed) == set(one) and max((packed[n] - one[n]).abs().max().item() for n in one) < 1e-6
+    lengths = [s.num_tokens for s in samples]
+    parts = pack_by_tokens(lengths, 40)
+    assert len(parts) == 3 and len(packed_tr._plan(samples, adv, None)[0]) == 3
+    assert padded_share(parts, lengths) < padded_share([list(range(8))], lengths)
+
+
+def test_fsdp_ranks_with_different_token_loads_run_the_same_passes(tiny_model_dir, tmp_path):
+    """Packed by tokens, rank 0's long samples need 3 micro-batches and rank 1's short ones 1: rank 1 runs 2
+    empty ones, so both run every collective (no hang), and they end with the same weights."""
+    long = [s for i in range(3) for s in make_samples(tiny_model_dir, n=1, resp_len=20, seed=i)]
+    short = [s for i in range(3) for s in make_samples(tiny_model_dir, n=1, resp_len=2, seed=10 + i)]
+    samples = [x for pair in zip(long, short) for x in pair]          # rank 0 gets samples[0::2]: the long
+    adv = [1.0, -1.0] * 3
+    got = spawn_steps(tmp_path, tiny_model_dir, samples, adv,
+                      dict(loss="ppo", lr=1e-3, max_tokens_per_micro=30))
+    assert got["metrics"][0]["num_updates"] == 1 and got["metrics"][0]["grad_norm"] > 0
+
+
+def test_kl_to_the_reference_is_off_by_default_and_pulls_back_when_on(tiny_model_dir):
+    """--kl-coef 0 loads no reference. On: the reference is the initial model, frozen (kl 0 before any update,
+    > 0 after); without the penalty the policy keeps drifting from it, with a large one it comes back."""
+    samples = make_samples(tiny_model_dir, n=4)
+    adv = [1.0, -1.0, 1.0, -1.0]
+    assert Trainer(str(tiny_model_dir), TrainConfig()).ref_net is None
+    free = Trainer(str(tiny_model_dir), TrainConfig(lr=3e-3, warmup_steps=1, kl_coef=1e-9))
+    tied = Trainer(str(tiny_model_dir), TrainConfig(lr=3e-3, warmup_steps=1, kl_coef=10.0))
+    assert tied.ref_net is not None and not any(p.requires_grad for p in tied.ref_net.parameters())
+    kl = [[tr.train_step(samples, adv)["kl"] for _ in range(6)] for tr in (free, tied)]
+    assert kl[0][0] == kl[1][0] == 0.0 and kl[0][1] == kl[1][1] > 0     # the same first update (no kl yet)
+    assert kl[0][-1] > kl[0][1] and kl[1][-1] < 0.8 * kl[1][1]
+
+
+def test_kl_reference_under_lora_is_the_base_with_the_adapter_off(tiny_model_dir):
+    from lora import LoraConfig
+    samples = make_samples(tiny_model_dir, n=4)
+    tr = Trainer(str(tiny_model_dir), TrainConfig(lr=1e-2, warmup_steps=0, kl_coef=0.1),
+                 lora=LoraConfig(lora_rank=8))
+    assert tr.ref_net is None                      # no copy: the base is the reference
+    assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] == 0.0        # B = 0: the adapter is the base
+    assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] > 0
+
+
+def test_fsdp_with_a_sharded_reference_matches_one_process(tiny_model_dir, tmp_path):
+    """KL to a sharded reference over 2 FSDP ranks: the same weights after 2 steps as one process."""
+    samples = make_samples(tiny_model_dir)
+    adv = [1.0, -1.0, 0.5, -0.5]
+    kw = dict(loss="ppo", lr=1e-3, kl_coef=0.5)
+    single = Trainer(str(tiny_model_dir), TrainConfig(**kw))
+    for _ in range(2):
+        m = single.train_step(samples, adv)
+    ref = dict(single.full_state())
+    got = spawn_steps(tmp_path, tiny_model_dir, samples, adv, kw, steps=2)
+    assert m["kl"] > 0 and got["metrics"][1]["kl"] > 0
+    assert max((got["end"][k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_entropy_is_the_policys_mean_over_response_tokens(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    samples = make_samples(tiny_model_dir, n=4)
+    t = collate(samples, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=t["input_ids"], attention_mask=t["attn"]).logits, -1)
+    ent = -(logp.exp() * logp).sum(-1)[:, :-1]                      # [B, T-1]: position p-1 predicts token p
+    want = (ent * t["mask"][:, 1:]).sum() / t["mask"].sum()
+    got = Trainer(str(tiny_model_dir), TrainConfig()).train_step(samples, [1.0, -1.0, 1.0, -1.0])["entropy"]
+    assert got == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_grad_checkpointing_recomputes_to_the_same_gradient(tiny_model_dir):
+    samples = make_samples(tiny_model_dir)
+    adv = [1.0, -1.0, 1.0, -1.0]
+    off = grads_of_one_step(Trainer(str(tiny_model_dir), TrainConfig()), samples, adv)
+    tr = Trainer(str(tiny_model_dir), TrainConfig(grad_checkpointing="on"))
+    assert tr.model.is_gradient_checkpointing
+    on = grads_of_one_step(tr, samples, adv)
+    assert max((on[n] - off[n]).abs().max().item() for n in off) < 1e-6
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(precision="fp16"), "--precision"),
+                                      (dict(grad_checkpointing="yes"), "--grad-checkpointing"),
+                                      (dict(max_tokens_per_micro=-1), "--max-tokens-per-micro"),
+                                      (dict(logits_chunk=0), "--logits-chunk"),
+                                      (dict(kl_coef=-1.0), "--kl-coef")])
+def test_bad_scale_settings_name_their_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        TrainConfig(**kw)
+
+
+def test_auto_settings_follow_the_device():
+    assert (TrainConfig().resolved("cpu").precision, TrainConfig().resolved("cpu").grad_checkpointing) == \
+        ("fp32", "off")
+    assert (TrainConfig().resolved("cuda").precision, TrainConfig().resolved("cuda").grad_checkpointing) == \
+        ("bf16", "on")
+    assert TrainConfig(precision="fp32").resolved("cuda").precision == "fp32"
+
+
+def test_probe_diff_is_judged_at_the_runs_precision():
+    import dataclasses
+
+    from runlog import probe_verdict
+    from train import Config
+    cfg = Config()
+    bf16 = dataclasses.replace(cfg, train=TrainConfig(precision="bf16"))
+    assert "within fp32" in probe_verdict(5e-6, cfg) and "ABOVE fp32" in probe_verdict(0.02, cfg)
+    assert "within bf16" in probe_verdict(0.02, bf16)
+    engine_bf16 = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype="bfloat16"))
+    assert "within bf16" in probe_verdict(0.02, engine_bf16)

@@ -9,6 +9,7 @@ Run from the repository root as modules, e.g. `.venv/bin/python -m tools.sim que
     bench_e2e.py        the whole system (ratio 0 and 2) against a plain synchronous loop, to the same reward
     bench_proxy.py      proxy vs raw AsyncLLM throughput, weight update time
     bench_weight_sync.py  the weight sync before and after it went straight into the engines
+    bench_trainer.py    the trainer at scale on CPU: log-prob, activation, start-up memory, packing, memplan
     bench_chaos.py      random SIGKILLs of a run under torchrun --max-restarts: what each costs
     soak.py             a long faulty run watched for leaks (memory, fds, threads, requests in flight)
     profile_step.py     where a default step's time goes, in every process of the job

@@ -1,0 +1,139 @@
+"""memplan.py: how much memory each trainer rank and each engine will need, from the model's HF config
+and the run's flags, before anything starts (train.py prints it at start-up and with --dry-run).
+
+    counts = param_counts(hf_config)                  # built on the meta device: nothing is allocated
+    plan = make_plan(hf_config, cfg, gpu=True)        # cfg: train.py's Config (its train / rollout parts)
+    print(format_plan(plan))
+
+Per trainer rank (W ranks, FSDP2): float32 master weights, gradients and AdamW's two moments, each a
+1/W shard (LoRA: gradients and moments of the adapter only); under FSDP the gathered weights in use
+(the root's embeddings and head all step long, plus two decoder layers: the one computing and the
+prefetched one); activations at the micro-batch's token budget; one chunk of LM-head logits; --kl-coef's
+reference model (a 1/W shard, bfloat16 under --precision bf16). Per engine: the weights in the engine's
+dtype and the KV cache (--kv-cache-gib on CPU; on GPU --gpu-memory-utilization of the GPU, less the
+weights). Activation bytes per token per layer are counted from what a Qwen2/Llama decoder layer keeps
+for backward (act_bytes); checked against measured peaks by tools/bench_trainer.py memplan.
+Design notes: DESIGN.md#trainerpy
+"""
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+ASSUMED_GPU_GIB = 80.0        # a GPU's memory when none is here to ask (H100 / A100 80 GB)
+LOGIT_COPIES = 3              # [chunk, V] float32 blocks alive at once in the head (bench_trainer logprobs)
+
+
+def param_counts(hf_config, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> dict:
+    """Parameter counts of the model that hf_config describes, from an instance on the meta device:
+    total, layer (one decoder layer), root (what is not in a decoder layer: embeddings, final norm,
+    an untied head), adapter (LoRA: rank x (in + out) per targeted linear)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    total = sum(p.numel() for p in model.parameters())        # (a tied head is the embedding: counted once)
+    layers = model.model.layers
+    layer = sum(p.numel() for p in layers[0].parameters())
+    adapter = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in lora_targets)
+    return {"total": total, "layer": layer, "num_layers": len(layers), "root": total - layer * len(layers),
+            "adapter": adapter}
+
+
+def act_bytes(hf_config, compute: int) -> int:
+    """Bytes one decoder layer keeps for backward, per token, computing in `compute`-byte floats (counted
+    with torch.autograd.graph.saved_tensors_hooks on Qwen2; SDPA attention, so no attention matrix). Each
+    RMSNorm: its input as float32 (4H), its normalised input and its output (2 x compute x H); q, k, v and
+    the attention output for SDPA's backward (4H: a padded micro-batch has a mask, so HF repeats GQA's keys
+    and values to every head), that output again made contiguous for o_proj (H; CPU's kernel returns it in
+    that layout already); the MLP's gate, up, silu(gate) and their product (4I)."""
+    h, i = hf_config.hidden_size, hf_config.intermediate_size
+    return 2 * (4 + 2 * compute) * h + compute * (5 * h + 4 * i)
+
+
+@dataclass
+class Plan:
+    model: str
+    counts: dict
+    trainer: dict          # name -> bytes, per trainer rank
+    engine: dict           # name -> bytes, per engine
+    notes: dict            # what the figures assume
+
+
+def trainer_bytes(counts: dict, hf_config, ranks: int, bf16: bool, tokens: int, context: int,
+                  checkpointing: bool, chunk: int, kl: bool, lora: bool) -> dict:
+    """Bytes per trainer rank, by component (see the module docstring)."""
+    w, total, layer = ranks, counts["total"], counts["layer"]
+    trainable = counts["adapter"] if lora else total
+    compute = 2 if bf16 else 4                                    # bytes of a weight / activation in compute
+    out = {"weights (fp32 masters)": 4 * total / w, "gradients": 4 * trainable / w,
+           "AdamW moments": 8 * trainable / w}
+    if w > 1:          # FSDP: what is gathered while in use
+        out["gathered weights"] = compute * (counts["root"] + 2 * layer)
+    if kl and not lora:
+        out["reference model"] = compute * total / w
+    h, n, layer_act = hf_config.hidden_size, counts["num_layers"], act_bytes(hf_config, compute)
+    # checkpointing keeps each layer's input and recomputes one layer at a time in backward; outside the
+    # layers: the final norm and the selected hidden states; the attention mask, rows x longest^2
+    per_token = (n * h * compute + layer_act if checkpointing else n * layer_act) + (4 + 3 * compute) * h
+    out["activations"] = tokens * per_token + tokens * min(tokens, context) * compute
+    out["logits chunk"] = LOGIT_COPIES * min(chunk, tokens) * hf_config.vocab_size * 4
+    return out
+
+
+def engine_bytes(counts: dict, hf_config, dtype: str, gpu: bool, utilisation: float, kv_cache_gib: float,
+                 gpu_gib: float) -> dict:
+    """Bytes per engine: its weights in its dtype and its KV cache."""
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    weights = size * counts["total"]
+    kv = utilisation * gpu_gib * GiB - weights if gpu else kv_cache_gib * GiB
+    return {"weights": weights, "KV cache": max(kv, 0.0)}
+
+
+def kv_bytes_per_token(hf_config, dtype: str) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * size
+
+
+def make_plan(hf_config, cfg, gpu: bool, model: str = "", gpu_gib: float | None = None) -> Plan:
+    """The plan for train.py's Config `cfg` (its train, rollout and lora parts; the rollout part resolved
+    or not) on GPUs (gpu) or CPUs. Micro-batch token budget: --max-tokens-per-micro, else --micro-batch
+    rows of the engine's whole context (the largest a padded micro-batch can be)."""
+    tc, rc = cfg.train.resolved("cuda" if gpu else "cpu"), cfg.rollout
+    context = rc.max_model_len or hf_config.max_position_embeddings
+    tokens = tc.max_tokens_per_micro or tc.micro_batch * context
+    dtype = rc.dtype if rc.dtype != "auto" else ("bfloat16" if gpu else "float32")
+    lora = cfg.lora.lora_rank > 0
+    counts = param_counts(hf_config, cfg.lora.lora_rank, tuple(cfg.lora.targets))
+    gpu_gib = gpu_gib or ASSUMED_GPU_GIB
+    trainer = trainer_bytes(counts, hf_config, cfg.train_gpus, tc.precision == "bf16", tokens, context,
+                            tc.grad_checkpointing == "on", tc.logits_chunk, tc.kl_coef > 0, lora)
+    engine = engine_bytes(counts, hf_config, dtype, gpu, rc.gpu_memory_utilization, rc.kv_cache_gib, gpu_gib)
+    notes = {"ranks": cfg.train_gpus, "engines": cfg.rollout_gpus, "precision": tc.precision,
+             "checkpointing": tc.grad_checkpointing, "tokens": tokens, "context": context, "dtype": dtype,
+             "gpu": gpu, "gpu_gib": gpu_gib, "kv_per_token": kv_bytes_per_token(hf_config, dtype),
+             "lora": lora}
+    return Plan(model, counts, trainer, engine, notes)
+
+
+def _size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 4 else f"{b / 2**20:.1f} MiB"
+
+
+def format_plan(p: Plan) -> str:
+    """A few lines: the model; each trainer rank's total, then its components; each engine's."""
+    import textwrap
+    n = p.notes
+    where = f"{n['gpu_gib']:.0f} GiB GPUs" if n["gpu"] else "CPU"
+    kv_tokens = p.engine["KV cache"] / n["kv_per_token"]
+    parts = " + ".join(f"{k} {_size(v)}" for k, v in p.trainer.items())
+    return "\n".join([
+        f"memory plan (memplan.py, {where}): {p.model or 'model'} {p.counts['total'] / 1e6:,.1f}M params"
+        + (f" (LoRA adapter {p.counts['adapter'] / 1e6:,.2f}M)" if n["lora"] else ""),
+        f"  per trainer rank ({n['ranks']}, {n['precision']}, checkpointing {n['checkpointing']}, "
+        f"{n['tokens']:,} tokens a micro-batch): {_size(sum(p.trainer.values()))} =",
+        textwrap.fill(parts, 104, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False),
+        f"  per engine ({n['engines']}, {n['dtype']}): {_size(sum(p.engine.values()))} = weights "
+        f"{_size(p.engine['weights'])} + KV cache {_size(p.engine['KV cache'])}",
+        f"    (KV: {kv_tokens:,.0f} tokens, {kv_tokens / n['context']:,.1f} sequences of {n['context']:,})"])

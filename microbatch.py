@@ -1,0 +1,132 @@
+"""microbatch.py: what one micro-batch of the trainer is: samples packed by tokens, collated, and the
+log-prob forward that never materialises [B, T, V] logits.
+
+    parts = pack_by_tokens([s.num_tokens for s in samples], budget=16384)   # index lists, longest first
+    t = collate([samples[i] for i in parts[0]], device)                      # right-padded tensors
+    net = PolicyNet(model, chunk=1024)          # the FSDP root: body, then the LM head chunk by chunk
+    logp = token_logprobs(net, t["input_ids"], t["attn"], t["mask"])         # [B, T], 0 where unselected
+
+PolicyNet runs the model's body (hidden states [B, T, H]), keeps the positions whose next token is
+wanted (the loss mask: a prompt's logits are never needed), and computes LM head + log_softmax over
+`chunk` of them at a time under torch.utils.checkpoint, so only one [chunk, V] block of logits lives at
+any moment and backward recomputes it: values and gradients are the unchunked ones. It also returns
+each selected position's policy entropy (no gradient). It works on a plain HF causal LM or a PEFT one,
+with or without FSDP (it is the FSDP root: the root's all-gather and gradient reduce bracket it).
+Design notes: DESIGN.md#trainerpy
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from buffer import Sample
+
+# a micro-batch with nothing to learn (FSDP padding: a short rank still runs every collective)
+EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
+
+
+def collate(samples, device) -> dict[str, torch.Tensor]:
+    """Samples -> right-padded tensors. A response token at absolute position p has its behaviour
+    logprob and loss mask at column p, the same column token_logprobs() gives its logprob."""
+    width = max(s.num_tokens for s in samples)
+    B = len(samples)
+    input_ids = torch.zeros(B, width, dtype=torch.long)
+    attn = torch.zeros(B, width, dtype=torch.long)
+    old_logp = torch.zeros(B, width)
+    mask = torch.zeros(B, width)
+    for i, s in enumerate(samples):
+        n_p, n = len(s.prompt_ids), s.num_tokens
+        input_ids[i, :n] = torch.tensor(s.prompt_ids + s.response_ids)
+        attn[i, :n] = 1
+        old_logp[i, n_p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        mask[i, n_p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    return {k: v.to(device)
+            for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
+
+
+def split(items: list, n: int) -> list[list]:
+    """n contiguous parts of near-equal size (some empty when len(items) < n)."""
+    return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+
+
+def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into micro-batches whose padded size (rows x longest row) stays
+    within `budget` tokens (a longer sample goes alone). Greedy, longest first: each micro-batch holds
+    neighbours in length order, so little is padding, and all but the last are about `budget` big."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+def padded_share(parts: list[list[int]], lengths: list[int]) -> float:
+    """The share of the micro-batches' token slots (rows x longest) that is padding."""
+    slots = sum(len(p) * max(lengths[i] for i in p) for p in parts if p)
+    return 1.0 - sum(lengths) / max(slots, 1)
+
+
+def causal_lm(model):
+    """The HF causal LM inside `model` (a PEFT model's base; LoRA layers are injected in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_logprobs(head, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [n, H], targets [n] -> (logprob of each target [n], entropy [n] without grad), float32 at least."""
+    logits = head(h)                                                 # [n, V]: the chunk's big tensors
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    del logits                                                       # (one [n, V] fewer alive from here)
+    with torch.no_grad():
+        entropy = -logp.exp().mul_(logp).sum(-1)                     # -sum p log p, one [n, V] temporary
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+class PolicyNet(torch.nn.Module):
+    """The trainer's forward: `model`'s body, then its LM head over `chunk` selected positions at a time.
+    autocast: a dtype to run under torch.autocast (one rank in bf16; under FSDP its mixed-precision
+    policy casts instead)."""
+
+    def __init__(self, model, chunk: int = 1024, autocast: torch.dtype | None = None):
+        super().__init__()
+        self.model, self.chunk, self.autocast = model, chunk, autocast
+
+    def forward(self, input_ids, attention_mask, select) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask, select: [B, T]; select marks the columns whose token's logprob is
+        wanted (column 0 never counts: no context). Returns logp and entropy [N], N = selected columns
+        in row-major order: logp with grad, entropy without (the entropy of the distribution the
+        token was drawn from, i.e. at the position before it)."""
+        lm = causal_lm(self.model)
+        with torch.autocast(input_ids.device.type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
+            hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state                  # [B, T, H]
+            sel = select[:, 1:].bool()                                             # [B, T-1]
+            h = hidden[:, :-1][sel]                                                # [N, H]
+            targets = input_ids[:, 1:][sel]                                        # [N]
+            outs = []
+            # at least one chunk, even of 0 rows: every rank's backward then reaches the head's weight
+            # (FSDP reduces the gradients of the same parameters on every rank)
+            for i in range(0, max(len(h), 1), self.chunk):
+                piece = (h[i:i + self.chunk], targets[i:i + self.chunk])
+                outs.append(checkpoint(_head_logprobs, lm.lm_head, *piece, use_reentrant=False)
+                            if torch.is_grad_enabled() else _head_logprobs(lm.lm_head, *piece))
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   mask: torch.Tensor | None = None, chunk: int = 1024,
+                   entropy: list | None = None) -> torch.Tensor:
+    """Logprob of every selected token given the tokens before it, under `model` (a PolicyNet, or an HF /
+    PEFT causal LM, wrapped here). input_ids, attention_mask: [B, T], right-padded; mask [B, T]: the
+    columns wanted (default: every real token). Returns [B, T] float32, 0 at column 0 (no context)
+    and at unselected columns (float32; float64 for a float64 model); matches the engine's (float32).
+    entropy: a list that receives the selected positions' entropies [N] (no grad)."""
+    net = model if isinstance(model, PolicyNet) else PolicyNet(model, chunk)
+    select = (attention_mask if mask is None else mask * attention_mask) != 0           # [B, T]
+    select[:, 0] = False
+    logp, ent = net(input_ids, attention_mask, select)                                # [N], [N]
+    if entropy is not None:
+        entropy.append(ent)
+    return torch.zeros(select.shape, dtype=logp.dtype, device=input_ids.device).masked_scatter(select, logp)
