@@ -79,16 +79,19 @@ def _fsdp_worker(rank, world, port, model_dir, samples, adv, out, train_kw=None,
     dist.destroy_process_group()  # left first once died in gloo's teardown: SIGABRT)
 
 
-def test_fsdp2_two_ranks_matches_single_process(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_fsdp2_two_ranks_matches_single_process(tiny_model_dir, tmp_path, checkpointing):
     """FSDP2 over 2 gloo ranks, each with half the batch, ends at the same weights as one process
-    with the whole batch (equal token counts per rank, token-mean loss)."""
+    with the whole batch (equal token counts per rank, token-mean loss); also with activation
+    checkpointing (the GPU default) recomputing each layer inside FSDP's hooks."""
     samples = make_samples(tiny_model_dir)
     adv = [1.0, -1.0, 0.5, -0.5]
-    single = Trainer(str(tiny_model_dir), TrainConfig(loss="ppo", lr=1e-3))
+    kw = dict(loss="ppo", lr=1e-3, grad_checkpointing=checkpointing)
+    single = Trainer(str(tiny_model_dir), TrainConfig(**kw))
     single.train_step(samples, adv)
     ref = dict(single.full_state())
     out = tmp_path / "fsdp.pt"
-    mp.spawn(_fsdp_worker, args=(2, free_port(), str(tiny_model_dir), samples, adv, str(out)), nprocs=2)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(tiny_model_dir), samples, adv, str(out), kw), nprocs=2)
     got = torch.load(out)
     assert set(got) == set(ref)
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
@@ -308,12 +311,13 @@ def test_bf16_keeps_float32_masters_and_learns(tiny_model_dir):
 
 
 def test_fsdp_bf16_computes_in_bfloat16_and_reduces_in_float32(tiny_model_dir, tmp_path):
-    """2 FSDP ranks under --precision bf16 (MixedPrecisionPolicy): float32 shards and float32 gradients
-    (reduced in float32), a bfloat16 forward (its probe off the float32 one beyond float32 rounding), and the
-    two ranks end with the single-rank bf16 trainer's weights to bf16 rounding of one Adam step."""
+    """2 FSDP ranks under the GPU defaults, --precision bf16 (MixedPrecisionPolicy) and activation
+    checkpointing: float32 shards and float32 gradients (reduced in float32), a bfloat16 forward (its probe
+    off the float32 one beyond float32 rounding), and the two ranks end with the single-rank bf16 trainer's
+    weights to bf16 rounding of one Adam step."""
     samples = make_samples(tiny_model_dir)
     adv = [1.0, -1.0, 0.5, -0.5]
-    kw = dict(loss="ppo", lr=1e-3, warmup_steps=1, precision="bf16")
+    kw = dict(loss="ppo", lr=1e-3, warmup_steps=1, precision="bf16", grad_checkpointing="on")
     got = spawn_steps(tmp_path, tiny_model_dir, samples, adv, kw)
     fp32 = Trainer(str(tiny_model_dir), TrainConfig()).probe_logprobs(list(range(2, 20)))
     assert got["start"]["dtypes"] == ["torch.float32"] and got["grads"] == ["torch.float32"]
@@ -387,14 +391,17 @@ def test_kl_to_the_reference_is_off_by_default_and_pulls_back_when_on(tiny_model
     assert kl[0][-1] > kl[0][1] and kl[1][-1] < 0.8 * kl[1][1]
 
 
-def test_kl_reference_under_lora_is_the_base_with_the_adapter_off(tiny_model_dir):
+def test_kl_reference_under_lora_is_the_base_with_the_adapter_off(tiny_model_dir, tmp_path):
+    """One rank and two FSDP ranks alike: kl 0 while the adapter is B = 0, > 0 once it trained."""
     from lora import LoraConfig
     samples = make_samples(tiny_model_dir, n=4)
-    tr = Trainer(str(tiny_model_dir), TrainConfig(lr=1e-2, warmup_steps=0, kl_coef=0.1),
-                 lora=LoraConfig(lora_rank=8))
+    kw = dict(lr=1e-2, warmup_steps=0, kl_coef=0.1)
+    tr = Trainer(str(tiny_model_dir), TrainConfig(**kw), lora=LoraConfig(lora_rank=8))
     assert tr.ref_net is None                      # no copy: the base is the reference
     assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] == 0.0        # B = 0: the adapter is the base
     assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] > 0
+    got = spawn_steps(tmp_path, tiny_model_dir, samples, [1.0, -1.0, 1.0, -1.0], kw, steps=2, lora_rank=8)
+    assert got["metrics"][0]["kl"] == 0.0 and got["metrics"][1]["kl"] > 0
 
 
 def test_fsdp_with_a_sharded_reference_matches_one_process(tiny_model_dir, tmp_path):
