@@ -21,6 +21,7 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 """
 
 import asyncio
+import bisect
 import collections
 import hashlib
 import math
@@ -172,7 +173,8 @@ class EnvDeadline:
         # a step awaits the verifier, which has a timeout of its own (reward_s: it then scores 0 and
         # replaces its worker): never cut a step before that answer can arrive (1.5x: some room for it)
         self.floor_s = {"reset": floor_s, "step": max(floor_s, 1.5 * reward_s)}
-        self.latencies = {k: collections.deque(maxlen=WINDOW) for k in self.KINDS}   # seconds
+        self.latencies = {k: collections.deque(maxlen=WINDOW) for k in self.KINDS}   # seconds, in order
+        self.ranked = {k: [] for k in self.KINDS}     # the same latencies, sorted (for the quantile)
         self.current_s = {k: ceiling_s for k in self.KINDS}   # the deadline now, recomputed per record
 
     @classmethod
@@ -182,10 +184,13 @@ class EnvDeadline:
 
     def record(self, kind: str, latency_s: float):
         """A call of `kind` ended after latency_s seconds: it completed, or timed out at that limit."""
-        xs = self.latencies[kind]
+        xs, ranked = self.latencies[kind], self.ranked[kind]
+        if len(xs) == WINDOW:                 # the oldest leaves the window (kept sorted: no sort per call)
+            del ranked[bisect.bisect_left(ranked, xs[0])]
         xs.append(latency_s)
+        bisect.insort(ranked, latency_s)
         if self.factor > 0 and len(xs) >= MIN_SAMPLES:
-            q = sorted(xs)[max(0, math.ceil(self.quantile * len(xs)) - 1)]     # nearest-rank quantile
+            q = ranked[max(0, math.ceil(self.quantile * len(xs)) - 1)]          # nearest-rank quantile
             self.current_s[kind] = min(self.ceiling_s, max(self.floor_s[kind], q * self.factor))
 
 

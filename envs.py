@@ -273,6 +273,9 @@ def model_eos_ids(tokenizer) -> set[int]:
     return ids | (set(eos if isinstance(eos, list) else [eos]) - {None})
 
 
+FIRST_CACHE = 4096    # prompts whose tokens PromptFormat.first keeps (a few steps' worth of groups)
+
+
 class PromptFormat:
     """How env text becomes model tokens (env_manager, and the controller's length check).
 
@@ -292,6 +295,8 @@ class PromptFormat:
 
     def __init__(self, tokenizer, use_template: bool = True, eos_ids: set[int] | None = None):
         self.tok = tokenizer
+        self._decode = getattr(tokenizer, "_decode", tokenizer.decode)
+        self._first: dict[str, list[int]] = {}    # prompt text -> its tokens (first())
         self.eos_ids = model_eos_ids(tokenizer) if eos_ids is None else set(eos_ids)
         self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
         if self.chat:
@@ -308,10 +313,17 @@ class PromptFormat:
             self.user_pre, self.user_post = b[len(a):].split(o)
 
     def first(self, text: str) -> list[int]:
-        if not self.chat:
-            return self.tok.encode(text)
-        return list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                 add_generation_prompt=True, return_dict=False))
+        """The prompt's tokens. Cached: a group's samples (and every retry) render the same prompt, and
+        rendering a chat template costs ~40 us a sample (a copy is returned: callers extend it)."""
+        ids = self._first.get(text)
+        if ids is None:
+            if len(self._first) >= FIRST_CACHE:
+                self._first.clear()
+            ids = self._first[text] = (
+                self.tok.encode(text) if not self.chat else
+                list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False)))
+        return list(ids)
 
     def next(self, text: str, last_token: int | None) -> list[int]:
         """The tokens after the model's turn, whose last token was last_token (None: none, or a
@@ -326,7 +338,8 @@ class PromptFormat:
         return self.tok.encode(close + self.user_pre + text + self.user_post, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        # (the tokenizer's own _decode: decode() first converts the list element by element in Python)
+        return self._decode(ids, skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -221,18 +221,21 @@ class VLLMEngine:
                      ) -> AsyncIterator[tuple[list[int], list[float], str | None, list | None]]:
         """(token ids, logprobs, finish reason or None, spans or None) per output; the last output's
         spans are [(version, start, end)] over the request's tokens: the version set_version gave the
-        weights that sampled them (None: the engine's initial weights, never labelled)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        weights that sampled them (None: the engine's initial weights, never labelled). The stream ends
+        after the last output: closed earlier, vLLM aborts the request."""
+        # (imported from the submodules: `from vllm import X` costs an import_module per call)
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             ignore_eos=sampling.ignore_eos, seed=sampling.seed, logprobs=0,
             stream_interval=sampling.stream_interval,
-            output_kind=RequestOutputKind.DELTA, detokenize=False)   # ids only: the env decodes what it needs
-        prompt = {"prompt_token_ids": prompt_token_ids}
-        if cache_salt:      # prefix-cache blocks are shared only between requests of the same salt
-            prompt["cache_salt"] = cache_salt
+            output_kind=RequestOutputKind.DELTA, detokenize=False,   # ids only: the env decodes what it needs
+            skip_clone=True)        # one request's own params: vLLM need not deep-copy them
+        # already rendered (token ids): vLLM processes it on the loop, not in its thread pool. Prefix-cache
+        # blocks are shared only between requests of the same salt
+        prompt = tokens_input(prompt_token_ids, cache_salt=cache_salt or None)
         async for out in self.llm.generate(prompt, params, request_id, lora_request=self.lora_request):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
@@ -428,7 +431,8 @@ class LLMProxy:
                 budget = sampling.max_tokens - len(c.token_ids)
                 eid = f"{rid}.{c.num_resubmits}"
                 self._engine_ids[rid] = eid
-                sp = replace(sampling, max_tokens=budget)
+                # (the first submission asks for the whole budget: no copy)
+                sp = sampling if budget == sampling.max_tokens else replace(sampling, max_tokens=budget)
                 reason = await self._consume(eid, c.prompt_token_ids + c.token_ids, sp, c)
                 if (reason == "abort" and rid not in self._user_aborted
                         and len(c.token_ids) < sampling.max_tokens):
@@ -461,25 +465,29 @@ class LLMProxy:
         # the version as cache salt: a new request never reuses prompt KV computed with older weights
         stream = self.engine.stream(eid, prompt, sampling, cache_salt=f"v{self.version}")
         reason = spans = None
+        ended = False        # read to its end: a stream closed after its last output still aborts in vLLM
         try:
-            async for token_ids, logprobs, reason, spans in stream:
+            async for token_ids, logprobs, reason_now, spans_now in stream:
+                if reason is not None:
+                    raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} went on after its "
+                                      f"finish reason {reason!r}")
+                reason, spans = reason_now, spans_now
                 self._last_progress = now()
                 c.token_ids += token_ids
                 c.logprobs += logprobs
                 self.num_tokens += len(token_ids)
-                if reason is not None:
-                    break
+            ended = True
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as e:    # vLLM's EngineDeadError and friends: the engine process is gone
             raise EngineError(f"rollout rank {self.rank}: engine failed during generate: {e!r}") from e
         finally:
-            # closing a vLLM stream aborts its request if still running; bounded in case the engine is gone
-            try:
-                async with asyncio.timeout(5.0):
-                    await stream.aclose()
-            except (TimeoutError, RuntimeError):
-                pass
+            if not ended:    # cancelled or failed: closing the stream aborts the request (bounded: the
+                try:         # engine may be gone)
+                    async with asyncio.timeout(5.0):
+                        await stream.aclose()
+                except (TimeoutError, RuntimeError):
+                    pass
         if reason is None:
             raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish "
                               f"reason")

@@ -5,6 +5,7 @@ batch (k=0), so a request of n tokens ends at about n * STEP after it starts."""
 
 import asyncio
 import itertools
+import math
 import random
 
 import pytest
@@ -1180,3 +1181,16 @@ def test_a_broadcast_that_fails_is_sent_again_over_a_new_group(tok):
     assert sent == [0, 1, 1] and ctrl.gen == 1 and ctrl.resyncs == 1
     assert report["synced_version"] == 1
     assert state == [(Status.RUNNING, 2, 2)] * 2
+
+
+def test_env_deadline_keeps_its_window_sorted_as_it_slides():
+    """The quantile reads a sorted copy of the window kept up to date per call (no sort per call):
+    after any sequence of calls it is the window sorted, and the deadline is the sorted window's."""
+    rng = random.Random(0)
+    d = EnvDeadline(ceiling_s=1e9, quantile=0.9, factor=2.0, floor_s=0.0)
+    for i in range(3 * WINDOW):
+        d.record("step", rng.choice([rng.random(), 0.5, rng.lognormvariate(0, 2)]))   # ties included
+        window = sorted(d.latencies["step"])
+        assert d.ranked["step"] == window
+        if len(window) >= MIN_SAMPLES:
+            assert d.current_s["step"] == 2.0 * window[math.ceil(0.9 * len(window)) - 1]

@@ -153,10 +153,17 @@ class FakeTimedEngine:
         return prefill
 
     async def _step_loop(self):
+        # A step ends dt after the previous one ended, not dt after this loop gets round to it: the
+        # loop's own Python (scheduling, delivering outputs) stands for an engine process's work and
+        # must not lengthen the steps of a real-time benchmark sharing a core with it. (Virtual time
+        # is unchanged: there Python takes no time.) Idle, or a step or more behind: from now.
+        loop = asyncio.get_running_loop()
+        last_end = -math.inf
         while True:
             if self.paused or not self.running or self.hang:
                 self._wake.clear()
                 await self._wake.wait()
+                last_end = -math.inf
                 continue
             cpu0 = time.thread_time()
             prefill = self._schedule()
@@ -165,7 +172,11 @@ class FakeTimedEngine:
             self._step_done.clear()
             dt = self.t0 + self.k * len(batch) + self.k_ctx * ctx + self.k_prefill * prefill
             self.cpu_s += time.thread_time() - cpu0
-            await asyncio.sleep(dt)
+            t = loop.time()
+            lag = t - last_end      # this loop's Python since the last step ended (0 in virtual time)
+            delay = dt - lag if 1e-6 < lag < dt else dt
+            last_end = t + delay
+            await asyncio.sleep(delay)
             cpu0 = time.thread_time()
             self.busy_s += dt
             self.num_steps += 1
