@@ -2,6 +2,8 @@
 
     .venv/bin/python -m tools.bench_rollout              # fake engine at GPU rates, stream interval 1 vs 16
     .venv/bin/python -m tools.bench_rollout --real       # + the real CPU engine: raw AsyncLLM vs the proxy
+    git worktree add ../before27 8109493                 # the rank before issue 27's cuts
+    .venv/bin/python -m tools.bench_rollout --before ../before27     # side by side, alternating (~12 min)
 
 A GPU engine decodes a few hundred sequences every 5-30 ms: tens of thousands of tokens per second,
 which one rollout rank's Python (LLMProxy reading the engine's outputs, EnvManager's slots and
@@ -23,6 +25,11 @@ vLLM CPU engine (tiny model), straight into AsyncLLM with final-only outputs (on
 request: what vLLM's front end alone costs) and with per-token deltas, and through LLMProxy at
 each stream interval; this process's CPU per 1,000 tokens (the engine core is its own process),
 rounds interleaved, medians.
+
+--before DIR: the comparison, side by side. Each repeat runs, one after the other, DIR's own copy of
+this benchmark at stream interval 1 (its rank as it was), this tree's at --stream-intervals' last
+value, and this tree's with --fast-step-ms steps (an engine above 51,200 tokens/s: can the rank keep
+up?); medians and ranges over --repeats, as a table.
 """
 
 import argparse
@@ -36,7 +43,9 @@ import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,7 +58,8 @@ COMPONENTS = [("fake engine (excluded)", ("fake_engine.py",)), ("proxy", ("proxy
               ("env manager, trajectories", ("env_manager.py",)), ("env, reward, prompt format",
                                                                    ("envs.py", "task.py")),
               ("timeline events", ("timeline.py",)),
-              ("queue client (pickle, sockets)", ("buffer.py", "multiprocessing", "pickle", "socket")),
+              ("queue client (pickle, sockets, its threads)", ("buffer.py", "multiprocessing", "pickle", "socket",
+                                                               "concurrent/futures", "threading")),
               ("tokenizer decode", ("tokenizers", "transformers")),
               ("event loop (asyncio)", ("asyncio", "selectors", "epoll", "_asyncio"))]
 
@@ -168,19 +178,39 @@ def time_calls(obj, names: tuple) -> dict:
 
 
 def breakdown(prof: cProfile.Profile, tokens: int) -> dict:
-    """cProfile's own time per function, summed by component (COMPONENTS), ms per 1,000 tokens."""
+    """cProfile's own time per function, summed by component (COMPONENTS), ms per 1,000 tokens. A
+    function of no component (a builtin, random.py, the stdlib) is charged to its callers' components in
+    proportion to the time each call edge took, up the call graph (so the fake engine's calls into
+    random stay excluded with it)."""
+    stats = pstats.Stats(prof).stats
+
     def component(file, func):
         where = file if file != "~" else func           # builtins by name ("<method 'dumps' of ...>")
         return next((c for c, keys in COMPONENTS if any(k in where for k in keys)), None)
 
-    totals = collections.defaultdict(float)
-    for (file, _, func), (_, _, tottime, _, callers) in pstats.Stats(prof).stats.items():
-        name = component(file, func)
-        if name is None and callers:    # a builtin or a library function (list.extend, random): its callers'
-            for (cfile, _, cfunc), (_, _, tt, _) in callers.items():
-                totals[component(cfile, cfunc) or "other"] += tt
+    memo: dict = {}
+
+    def owners(key, depth: int = 0) -> dict:           # component -> share of this function's time
+        if key in memo:
+            return memo[key]
+        own = component(key[0], key[2])
+        callers = stats[key][4] if key in stats else {}
+        weights = {c: edge[3] for c, edge in callers.items() if c != key}
+        if own or not weights or depth > 12 or not sum(weights.values()):
+            out = {own or "other": 1.0}
         else:
-            totals[name or "other"] += tottime
+            out, total = collections.defaultdict(float), sum(weights.values())
+            memo[key] = {"other": 1.0}                  # (a cycle back here: charged to other)
+            for c, w in weights.items():
+                for name, share in owners(c, depth + 1).items():
+                    out[name] += share * w / total
+        memo[key] = dict(out)
+        return memo[key]
+
+    totals = collections.defaultdict(float)
+    for key, (_, _, tottime, _, _) in stats.items():
+        for name, share in owners(key).items():
+            totals[name] += tottime * share
     return {k: round(1e6 * v / max(tokens, 1), 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
@@ -268,6 +298,56 @@ async def real_part(args) -> dict:
     return out
 
 
+def compare(args) -> list[dict]:
+    """--before: (name, tree, extra args) run as subprocesses, alternating, args.repeats times; a table."""
+    interval, step, fast = str(args.stream_intervals[-1]), str(args.step_ms), str(args.fast_step_ms)
+    runs = [("before: interval 1, queue calls on the loop", Path(args.before).resolve(),
+             ["--stream-intervals", "1", "--step-ms", step]),
+            (f"now: interval {interval}", ROOT, ["--stream-intervals", interval, "--step-ms", step]),
+            (f"now: interval {interval}, {fast} ms steps", ROOT,
+             ["--stream-intervals", interval, "--step-ms", fast])]
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "max_concurrency", "per_seq_ms", "median_len", "sigma", "min_len", "max_len", "warmup_s", "seconds",
+        "profile_s", "core")]
+    got = {name: [] for name, _, _ in runs}
+    for r in range(args.repeats):
+        for name, tree, extra in runs:
+            out = Path(tempfile.mkdtemp(prefix="bench-rollout-")) / "out.json"
+            cmd = [sys.executable, "-m", "tools.bench_rollout", *common, *extra, "--out", str(out)]
+            subprocess.run(cmd, cwd=tree, check=True, capture_output=True, timeout=1800)
+            row = json.loads(out.read_text())["fake_engine"][0]
+            got[name].append(row)
+            print(f"  repeat {r + 1}/{args.repeats}, {name}: {row['tokens_per_s']:.0f} tokens/s, "
+                  f"{row['rank_cpu_ms_per_1k_tokens']:.2f} ms CPU per 1k tokens", flush=True)
+
+    def cell(name, key, fmt):       # (an older tree's bench may lack a figure)
+        xs = sorted(row[key] for row in got[name] if key in row)
+        if not xs:
+            return "-"
+        return f"{fmt.format(statistics.median(xs))} ({fmt.format(xs[0])}-{fmt.format(xs[-1])})"
+    names = [name for name, _, _ in runs]
+    print(f"\n| {args.repeats} repeats: median (range) | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for label, key, fmt in (("engine's nominal tokens/s", "engine_nominal_tokens_per_s", "{:.0f}"),
+                            ("tokens/s delivered", "tokens_per_s", "{:.0f}"),
+                            ("rank CPU per 1,000 tokens, ms", "rank_cpu_ms_per_1k_tokens", "{:.2f}"),
+                            ("rank CPU per sample, ms", "rank_cpu_ms_per_sample", "{:.2f}"),
+                            ("rank's share of its core", "rank_cpu_share", "{:.2f}"),
+                            ("queue round trips (share of wall time; now in threads)", "queue_round_trip_share",
+                             "{:.2f}")):
+        print(f"| {label} | " + " | ".join(cell(n, key, fmt) for n in names) + " |")
+    ratio = (statistics.median(r["rank_cpu_ms_per_1k_tokens"] for r in got[names[0]])
+             / statistics.median(r["rank_cpu_ms_per_1k_tokens"] for r in got[names[1]]))
+    print(f"\nrank CPU per 1,000 tokens, before / now: {ratio:.1f}x (medians)")
+    for name in names:      # cProfile's shares (its own overhead inflates every part; read the shares)
+        parts = got[name][0].get("breakdown_ms_per_1k_tokens", {})
+        total = sum(v for k, v in parts.items() if not k.startswith("fake engine")) or 1
+        print(f"{name}: cProfile shares of the rank's CPU (main thread, repeat 1): " + ", ".join(
+            f"{k} {100 * v / total:.0f}%" for k, v in parts.items() if not k.startswith("fake engine")
+            and v / total >= 0.02))
+    return [{"name": n, "rows": got[n]} for n in names]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stream-intervals", type=lambda x: [int(v) for v in x.split(",")], default=[1, 16])
@@ -288,10 +368,21 @@ def main():
     ap.add_argument("--real-tokens", type=int, default=64)
     ap.add_argument("--real-rounds", type=int, default=3)
     ap.add_argument("--out", default="", help="also write the figures here (JSON)")
+    ap.add_argument("--before", default="", help="a worktree of the code before: side by side (docstring)")
+    ap.add_argument("--repeats", type=int, default=3, help="--before: alternating repeats")
+    ap.add_argument("--fast-step-ms", type=float, default=4.0, help="--before: the faster engine's step, ms")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import quiet
     quiet.setup()
+    if args.before:
+        if not (Path(args.before) / "tools" / "bench_rollout.py").exists():
+            raise SystemExit(f"bench_rollout: --before {args.before}: no tools/bench_rollout.py there "
+                             f"(git worktree add ../before27 8109493)")
+        rows = compare(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return
     print(f"part 1: one rollout rank on core {args.core}, fake engine: {args.max_concurrency} in flight, "
           f"steps of {args.step_ms} ms + {args.per_seq_ms} ms per sequence, responses {args.min_len}-"
           f"{args.max_len} tokens (median {args.median_len})", flush=True)
