@@ -58,8 +58,8 @@ COMPONENTS = [("fake engine (excluded)", ("fake_engine.py",)), ("proxy", ("proxy
               ("env manager, trajectories", ("env_manager.py",)), ("env, reward, prompt format",
                                                                    ("envs.py", "task.py")),
               ("timeline events", ("timeline.py",)),
-              ("queue client (pickle, sockets, its threads)", ("buffer.py", "multiprocessing", "pickle", "socket",
-                                                               "concurrent/futures", "threading")),
+              ("queue client (pickle, sockets, its threads)",
+               ("buffer.py", "multiprocessing", "pickle", "socket", "concurrent/futures", "threading")),
               ("tokenizer decode", ("tokenizers", "transformers")),
               ("event loop (asyncio)", ("asyncio", "selectors", "epoll", "_asyncio"))]
 
@@ -333,8 +333,8 @@ def compare(args) -> list[dict]:
                             ("rank CPU per 1,000 tokens, ms", "rank_cpu_ms_per_1k_tokens", "{:.2f}"),
                             ("rank CPU per sample, ms", "rank_cpu_ms_per_sample", "{:.2f}"),
                             ("rank's share of its core", "rank_cpu_share", "{:.2f}"),
-                            ("queue round trips (share of wall time; now in threads)", "queue_round_trip_share",
-                             "{:.2f}")):
+                            ("queue round trips (share of wall time; now in threads)",
+                             "queue_round_trip_share", "{:.2f}")):
         print(f"| {label} | " + " | ".join(cell(n, key, fmt) for n in names) + " |")
     ratio = (statistics.median(r["rank_cpu_ms_per_1k_tokens"] for r in got[names[0]])
              / statistics.median(r["rank_cpu_ms_per_1k_tokens"] for r in got[names[1]]))
