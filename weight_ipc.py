@@ -17,7 +17,7 @@ rollout rank does it for an engine that died), so a failure ends the sync at onc
 Clean-up: CUDA memory goes with its process. The shared-memory files are reference counted by
 torch: unlinked when the last process that maps one closes it, and torch_shm_manager unlinks those
 of processes that were killed (checked: tests/test_weight_ipc.py).
-Design notes: DESIGN.md#weight_syncpy
+Design notes: DESIGN.md#weight_ipcpy
 """
 
 import contextlib

@@ -1,15 +1,19 @@
-"""bench_weight_sync.py: the weight sync before and after weights went straight into the engines,
-side by side in one run, on the real system (torchrun train.py, 1 trainer rank + 1 engine).
+"""bench_weight_sync.py: the weight sync before and after weights went straight into the engines, or
+the two transports of this tree (the group broadcast, the ipc hand-over), side by side in one run, on
+the real system (torchrun train.py, 1 trainer rank + 1 engine).
 
     git worktree add ../before 314ce2d                 # the last commit of the old path
     .venv/bin/python tiny_model.py --out-dir .cache/qwen2-103m --hidden 1024 --layers 8 --heads 16 \
         --intermediate 2816 --sft-steps 0              # the 103M model (random weights; ~2 min, once)
     .venv/bin/python -m tools.bench_weight_sync --before ../before      # ~8 min on 2 cores
+    .venv/bin/python -m tools.bench_weight_sync --transports   # group vs ipc (this tree): 17 min, busy cores
 
 before: trainer rank 0 -> gloo broadcast -> the rollout rank -> .cpu() -> safetensors bytes ->
 collective_rpc("stage_weights") -> the engine's worker -> reload_weights; the rank receives while
 its engine generates, then suspends for the load. after (this tree, weight_sync.py): the rank
 suspends, trainer rank 0 broadcasts into the engine's worker, each bucket is loaded as it arrives.
+--transports: this tree twice, --weight-transport group (that broadcast, gloo here) and ipc
+(weight_ipc.py: the buckets handed over in shared memory, CUDA IPC's CPU twin); the same runs.
 
 Two runs per tree: the 103M Qwen2 (hidden 1024, 8 layers, tiny tokenizer, 0.41 GB in float32) with
 `--batch-groups 2 --group-size 4 --max-tokens 4 --no-filter-groups --steps 5`, and the default run
@@ -51,11 +55,21 @@ def model_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
 
-def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
-    args, model = RUNS[name]
-    model_dir = ROOT / (model or ".cache/tiny-qwen2")
-    cmd = torchrun_cmd(*args, *(["--model", str(model_dir)] if model else []), "--steps", str(steps),
-                       "--out-dir", str(out), "--save-every", "0", "--overwrite")
+def model_dir(name: str, args) -> Path | None:
+    """The run's model dir (None: train.py's embedded default); the 103M one must have been built."""
+    model = RUNS[name][1] and (args.model_103m or RUNS[name][1])
+    if model and not (ROOT / model / "config.json").exists():
+        raise SystemExit(f"bench_weight_sync: no model in {ROOT / model}: build the 103M model first "
+                         f"(see the docstring)")
+    return ROOT / model if model else None
+
+
+def run(tree: Path, name: str, model: Path | None, steps: int, out: Path, timeout_s: float,
+        label: str = "", extra: tuple = ()) -> dict:
+    args = RUNS[name][0]
+    model_dir = model or ROOT / ".cache/tiny-qwen2"
+    cmd = torchrun_cmd(*args, *(["--model", str(model)] if model else []), "--steps", str(steps),
+                       "--out-dir", str(out), "--save-every", "0", "--overwrite", *extra)
     t = time.monotonic()
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
@@ -70,7 +84,8 @@ def run(tree: Path, name: str, steps: int, out: Path, timeout_s: float) -> dict:
     per_sync = [r["time_engine_load"] + (0.0 if after else r["time_receive"]) for r in synced]
     s_sync = statistics.fmean(per_sync[1:])          # the first sync forms the weight-sync group: apart
     gb = model_bytes(model_dir) / 1e9
-    return {"tree": "after" if after else "before", "run": name, "steps": steps, "model_gb": round(gb, 3),
+    return {"tree": label or ("after" if after else "before"), "run": name, "steps": steps,
+            "model_gb": round(gb, 3),
             "s_per_sync": round(s_sync, 3), "gb_per_s": round(gb / s_sync, 2),
             "first_sync_s": round(per_sync[0], 3),
             "vllm_load_s": (round(statistics.fmean(r["time_vllm_load"] for r in synced[1:]), 3)
@@ -92,15 +107,37 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def transports(args):
+    """This tree's two transports on the same runs, one after the other, and their ratio."""
+    out_root = Path(args.out_dir).resolve()
+    out_root.mkdir(parents=True, exist_ok=True)
+    models = {name: model_dir(name, args) for name in args.runs}     # (fail before any run starts)
+    results, ratios = [], {}
+    for name in args.runs:
+        pair = []
+        for transport in ("group", "ipc"):
+            print(f"bench_weight_sync: {name}, --weight-transport {transport} ...", flush=True)
+            pair.append(run(ROOT, name, models[name], args.steps if name == "103M" else args.default_steps,
+                            out_root / f"{name}-{transport}", args.timeout_s, transport,
+                            ("--weight-transport", transport)))
+            print(f"  {json.dumps(pair[-1])}", flush=True)
+        results += pair
+        # group s/sync over ipc s/sync: above 1, the hand-over is the faster
+        ratios[name] = {"group_over_ipc_s_per_sync": round(pair[0]["s_per_sync"] / pair[1]["s_per_sync"], 2)}
+    print(table(results))
+    print(json.dumps({"results": results, "ratios": ratios}, indent=2))
+
+
 def main(args):
+    if args.transports:
+        return transports(args)
     before = Path(args.before).resolve()
     if not (before / "train.py").exists():
         raise SystemExit(f"bench_weight_sync: --before {before}: no train.py there; make it with "
                          f"`git worktree add {args.before} 314ce2d`")
     if not (before / ".cache").exists():          # the embedded model: the same build, not a second one
         (before / ".cache").symlink_to(ROOT / ".cache")
-    if not (ROOT / RUNS["103M"][1] / "config.json").exists():
-        raise SystemExit("bench_weight_sync: build the 103M model first (see the docstring)")
+    models = {name: model_dir(name, args) for name in args.runs}
     out_root = Path(args.out_dir).resolve()       # (the runs have their tree as cwd)
     out_root.mkdir(parents=True, exist_ok=True)
     results, ratios = [], {}
@@ -108,7 +145,7 @@ def main(args):
         pair = []
         for label, tree in (("before", before), ("after", ROOT)):
             print(f"bench_weight_sync: {name}, {label} ...", flush=True)
-            pair.append(run(tree, name, args.steps if name == "103M" else args.default_steps,
+            pair.append(run(tree, name, models[name], args.steps if name == "103M" else args.default_steps,
                             out_root / f"{name}-{label}", args.timeout_s))
             print(f"  {json.dumps(pair[-1])}", flush=True)
         results += pair
@@ -120,12 +157,17 @@ def main(args):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True,
-                    help="a checkout of the old path (git worktree add DIR 314ce2d)")
+    ap.add_argument("--before", help="a checkout of the old path (git worktree add DIR 314ce2d)")
+    ap.add_argument("--transports", action="store_true",
+                    help="instead: this tree's --weight-transport group and ipc, side by side")
+    ap.add_argument("--model-103m", default="", help="the 103M model dir, if not .cache/qwen2-103m")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--steps", type=int, default=5, help="103M run: train.py --steps")
     ap.add_argument("--default-steps", type=int, default=80,
                     help="default run: train.py --steps (80: the default)")
     ap.add_argument("--out-dir", default="runs/bench_weight_sync")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
-    main(ap.parse_args())
+    parsed = ap.parse_args()
+    if not parsed.transports and not parsed.before:
+        ap.error("--before DIR (the old path's checkout) or --transports")
+    main(parsed)
