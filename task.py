@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import opt
+from deadline import RewardDeadline
 
 
 @dataclass
@@ -233,8 +234,10 @@ def _reward_worker(conn, spec: str):
 
 class RewardPool:
     """`workers` verifier processes. score() sends one call to an idle worker and waits at most
-    timeout_s: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
-    (counted in `timeouts`): a pathological input cannot hang the rank. Workers are spawned (not
+    its deadline: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
+    (counted in `timeouts`): a pathological input cannot hang the rank. The deadline is timeout_s, or
+    with timeout_factor > 0 the adaptive one (deadline.RewardDeadline: min(max(timeout_min_s,
+    timeout_factor x the slowest correct answer so far), timeout_s)). Workers are spawned (not
     forked: the rollout rank has threads) and end with the pool, or with this process.
 
     A worker is idle only when no answer of it is in flight. Every call carries an id that the
@@ -246,10 +249,12 @@ class RewardPool:
     goes on when the default thread pool is busy. Nothing here blocks the loop: a killed worker
     is reaped by multiprocessing when the next one starts, or at shutdown."""
 
-    def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0):
+    def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0, timeout_factor: float = 0.0,
+                 timeout_min_s: float = 0.0):
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"RewardPool: need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.spec, self.timeout_s = spec, timeout_s
+        self.deadline = RewardDeadline(timeout_s, timeout_factor, timeout_min_s)
         self.ctx = multiprocessing.get_context("spawn")
         self.idle: asyncio.Queue | None = None      # made on first use, on the caller's event loop
         self.workers = workers
@@ -305,7 +310,8 @@ class RewardPool:
                 self.idle.put_nowait(self._start())
         worker = await self.idle.get()
         self.next_id += 1
-        call_id, deadline = self.next_id, asyncio.get_running_loop().time() + self.timeout_s
+        t0 = asyncio.get_running_loop().time()
+        call_id, deadline = self.next_id, t0 + self.deadline.current_s
         try:
             worker[1].send((call_id, problem, response))
             out = await self._answer(worker[1], call_id, deadline)
@@ -322,6 +328,7 @@ class RewardPool:
         if isinstance(out, Exception):
             self.errors += 1
             return 0.0
+        self.deadline.record(asyncio.get_running_loop().time() - t0, out)
         return out
 
     def shutdown(self):

@@ -917,7 +917,8 @@ def test_faulty_env_rates():
 def test_config_validates():
     for field, bad in [("max_concurrency", 0), ("reward_workers", -2), ("env_step_timeout_s", 0),
                        ("max_tokens", -1), ("env_timeout_quantile", 0), ("env_timeout_quantile", 1.5),
-                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0)]:
+                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0), ("reward_timeout_factor", -1),
+                       ("reward_timeout_min_s", 0)]:
         with pytest.raises(ValueError, match=field):
             RolloutConfig(**{field: bad})
     with pytest.raises(ValueError, match=r"--env-timeout-quantile .*must be in \(0, 1\]"):
