@@ -72,6 +72,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import itertools
 import math
 import random
 import statistics
@@ -88,6 +89,7 @@ from env_manager import EnvManager, RolloutConfig
 from envs import FaultyEnv, LatencyEnv
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy
+from stream import TrainStream
 from task import Problem
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -118,6 +120,15 @@ class SimConfig:
     filter_groups: bool = True       # DAPO dynamic filtering of all-equal-reward groups
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
+    tail_batching: bool = False     # RollPacker's tail batching (controller.ControllerConfig, tail.py)
+    tail_oversample: float = 1.5    # ... a short round's prompts per batch, times B
+    tail_extra_samples: int = 0     # ... a short round's samples per prompt beyond G
+    stream_train: bool = False      # the streaming trainer: each complete group is trained on (its tokens'
+                                    # share of train_time) as it arrives; the optimizer step
+                                    # (train_overhead_s) once the batch is complete
+    prompt_seeds: bool = False      # the workload keyed by the prompt, not by its group: a prompt run again
+                                    # (tail batching's long round) draws the same difficulty and length
+                                    # median. Off: each group draws its own (the older tables' setting)
     # workload: RLVR on an 8B base model, 8k cap. The paper: the longest responses exceed the median by more
     # than 20x; median 400 and sigma 1 put the cap at 20x the median, reached by ~5 of 4096 samples.
     # Per-prompt difficulty (see Workload): a prompt's quantile u ~ U(0, 1) sets its pass rate p = 1 - u and,
@@ -299,6 +310,8 @@ class SimEnv:
 
     async def reset(self, seed):
         await self.env.reset(seed)
+        problem = getattr(self.env, "problem", None)          # (prompt_seeds: the prompt's own seed)
+        seed = problem.meta.get("sim_seed", seed) if problem is not None else seed
         self.p, _, plen = self.workload.prompt(seed)
         return Tok.prompt_text(seed, plen)
 
@@ -405,12 +418,44 @@ def best_split(cfg: SimConfig, gpus: int, occupancy: float = 1.0) -> int:
 # one run
 
 
-async def _simulate(cfg: SimConfig) -> dict:
+def sim_problems(cfg: SimConfig):
+    """The prompt stream: all alike (the workload keyed by each group's env seed), or with prompt_seeds
+    one seed per prompt (the workload keyed by the prompt, so a prompt run again is the same prompt)."""
+    if not cfg.prompt_seeds:
+        return iter(lambda: Problem("q", ""), None)
+    return (Problem(f"q{i}", "", meta={"sim_seed": (cfg.seed << 32) + i}) for i in itertools.count())
+
+
+class SimStream:
+    """The streaming trainer's time model (stream.TrainStream's backend): each complete group costs its
+    tokens' share of train_time as it arrives, the optimizer step train_overhead_s at the end."""
+
+    def __init__(self, cfg: SimConfig, gpus: int):
+        self.cfg, self.gpus, self.tokens = cfg, gpus, 0
+
+    async def begin(self, version):
+        self.tokens = 0
+
+    async def add(self, samples, advantages):
+        tokens = sum(s.num_tokens for s in samples) * self.cfg.chunk
+        self.tokens += tokens
+        await asyncio.sleep(tokens / (self.gpus * self.cfg.train_tok_s))
+
+    async def step(self, version):
+        await asyncio.sleep(self.cfg.train_overhead_s)
+        return {"tokens": self.tokens}, None
+
+
+async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> dict:
+    """One run; problems: the prompt stream (default sim_problems); setup(ctrl): called once the
+    controller is built, observe(ctrl, step) after each step (tests)."""
     loop = asyncio.get_running_loop()
     R = cfg.rollout_gpus
     T = R if cfg.colocated else cfg.train_gpus
     buffer = SampleBuffer(LocalQueues(R), "sim", cfg.timeout_s)
-    ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, iter(lambda: Problem("q", ""), None), R)
+    ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, problems or sim_problems(cfg), R)
+    if setup is not None:
+        setup(ctrl)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
     workload = Workload(cfg)
     rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s,
@@ -450,14 +495,18 @@ async def _simulate(cfg: SimConfig) -> dict:
             while any(p.version <= ctrl.version for p in proxies):
                 await asyncio.sleep(0.05)
 
+    stream = TrainStream(cfg.group_size, SimStream(cfg, T), cfg.timeout_s) if cfg.stream_train else None
+
     async def trainer():                          # train.py's loop (controller.rl_step)
         for _ in range(cfg.steps):
-            t0 = loop.time()
-            s = await rl_step(ctrl, train, send)
+            s = await rl_step(ctrl, train, send, stream=stream)
             rows.append({**s.info, "t_end": loop.time(), "time_rollout": s.info["time_wait_rollout"],
                          "time_train": s.train_s, "time_sync": s.sync["time_weight_sync"],
-                         "tokens": s.metrics["tokens"],
-                         "tokens_generated": sum(p.num_tokens for p in proxies) * cfg.chunk})
+                         "tokens": s.metrics["tokens"], "time_trainer_busy": s.metrics["time_trainer_busy"],
+                         "tokens_generated": sum(p.num_tokens for p in proxies) * cfg.chunk,
+                         "tokens_aborted": sum(m.counters["tokens_aborted"] for m in managers) * cfg.chunk})
+            if observe is not None:
+                observe(ctrl, s)
 
     await run_local(ctrl, managers, trainer(), cfg.timeout_s * (cfg.steps + 1))
     for p in proxies:
@@ -485,6 +534,10 @@ def summarize(cfg: SimConfig, rows: list[dict], R: int) -> dict:
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in m),
         "dropped_stale": sum(r["samples_dropped_stale"] for r in m) / len(m),
         "filtered": sum(r["groups_filtered"] for r in m) / len(m),
+        # the trainer's idle share of the steady state, and the generated tokens aborted (thrown away) in it
+        "trainer_idle": 1 - sum(r["time_trainer_busy"] for r in m) / elapsed,
+        "aborted_share": (m[-1]["tokens_aborted"] - (rows[cfg.warmup - 1]["tokens_aborted"] if cfg.warmup
+                                                     else 0)) / max(gen, 1),
         # decode throughput / full-occupancy throughput
         "engine_util": gen / (R * engine_tok_s(cfg) * elapsed),
         "rows": rows,
@@ -501,9 +554,12 @@ def summarize(cfg: SimConfig, rows: list[dict], R: int) -> dict:
     return out
 
 
-def simulate(cfg: SimConfig) -> dict:
+def simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> dict:
     if cfg.colocated and cfg.async_ratio != 0:
         raise ValueError("a colocated run is synchronous: async_ratio must be 0")
+    if cfg.colocated and cfg.stream_train:
+        raise ValueError("a colocated run trains on the engines' GPUs once they are done: the streaming "
+                         "trainer needs GPUs of its own (a split run)")
     if cfg.lockstep not in ("", "engine", "batch"):
         raise ValueError(f"lockstep must be '', 'engine' or 'batch', got {cfg.lockstep!r}")
     if cfg.lockstep and (cfg.async_ratio or cfg.filter_groups or cfg.redundant or cfg.env_redundancy
@@ -513,7 +569,7 @@ def simulate(cfg: SimConfig) -> dict:
                          "(B*G == R*max_concurrency), no filtering, no redundancy, no failures")
     loop = looptime.new_event_loop(noop_cycles=0)   # nothing external happens: advance time at once
     try:
-        return loop.run_until_complete(_simulate(cfg))
+        return loop.run_until_complete(_simulate(cfg, problems, observe, setup))
     finally:
         loop.close()
 
