@@ -614,6 +614,8 @@ class AsyncController:
 
 def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:
     """Largest |engine - trainer| logprob over the probe tokens and ranks; None if not probed."""
+    if probe_ref is None:            # (--check-sync-every 0: the engines' READY probe has nothing to meet)
+        return None
     diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
     return max(diffs) if probe_ref is not None and diffs else None
 
