@@ -127,6 +127,7 @@ class AsyncController:
         self.probe_ref = None                  # trainer's probe logprobs of the last sync (None: not probed)
         self.gen = 0                           # the weight-sync group's generation: +1 per replaced engine
         self.resyncs = 0                       # syncs done again for replaced engines
+        self.sends = 0                         # broadcasts started (every attempt)
         self._t_replaced_check = 0.0
         # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
@@ -421,7 +422,8 @@ class AsyncController:
         if self._take_replaced():
             self.gen += 1
         for attempt in (1, 2):
-            group = self.group.with_gen(self.gen) if self.group is not None else None
+            self.sends += 1           # (the ipc transport's keys: one sequence number per broadcast)
+            group = self.group.with_gen(self.gen, self.sends) if self.group is not None else None
             for r in range(self.num_ranks):
                 await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe,
                                                           group=group))

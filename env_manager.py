@@ -75,7 +75,9 @@ class RolloutConfig:
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
                              "float16")
     kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
-    gpu_memory_utilization: float = opt(0.85, "GPU: the share of a rollout GPU's memory its engine may take")
+    gpu_memory_utilization: float = opt(0.0, "GPU: the share of a rollout GPU's memory its engine may take; "
+                                             "0 = auto: 0.85, under --colocate what is free at the engine's "
+                                             "start less the trainer's headroom (memplan.py)")
     enforce_eager: bool = opt(False, "GPU: run the engine eagerly (no CUDA graphs; faster start-up, slower "
                                      "decoding); on CPU engines always run eagerly")
     poll_s: float = opt(0.01, "the env manager's control loop period (commands, task queue), seconds")
@@ -107,8 +109,8 @@ class RolloutConfig:
             raise bad("reward_timeout_factor", ">= 0 (0 = a fixed reward_timeout_s)")
         if self.reward_timeout_min_s <= 0:
             raise bad("reward_timeout_min_s", "> 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "in [0, 1] (0 = auto)")
         if self.suspend_mode not in ("keep", "abort"):
             raise bad("suspend_mode", "'keep' or 'abort'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -90,6 +90,33 @@ def engine_bytes(counts: dict, hf_config, dtype: str, gpu: bool, utilisation: fl
     return {"weights": weights, "KV cache": max(kv, 0.0)}
 
 
+COLOCATE_MARGIN = 2 * GiB     # --colocate: CUDA contexts and the allocators' slack of two processes
+COLOCATE_MAX_SHARE = 0.9
+
+
+def colocated_headroom(trainer: dict, bucket_bytes: int) -> float:
+    """--colocate: what the trainer rank on an engine's GPU adds after the engine has started (it builds
+    its model first) and holds while the engine is awake: gradients and AdamW moments (kept between
+    steps), the gathered weights of a sync, the two ipc buckets (weight_ipc.BUFFERS), and a margin.
+    Activations are not in it: the engine sleeps while the trainer trains."""
+    kept = ("gradients", "AdamW moments", "gathered weights")
+    return sum(trainer.get(k, 0.0) for k in kept) + 2 * bucket_bytes + COLOCATE_MARGIN
+
+
+def colocated_share(total: float, free: float, headroom: float, weights: float) -> float:
+    """--colocate's default --gpu-memory-utilization: what is free at the engine's start less the
+    trainer's headroom, as a share of the GPU (vLLM refuses a share above what is free at its start),
+    at most COLOCATE_MAX_SHARE. A share that leaves the engine no room for its weights and a GiB of KV
+    cache is an error."""
+    share = min((free - headroom) / total, COLOCATE_MAX_SHARE)
+    if share * total < weights + GiB:
+        raise ValueError(f"--colocate: {free / GiB:.1f} GiB free of {total / GiB:.1f} at the engine's start, "
+                         f"less the trainer's {headroom / GiB:.1f} GiB headroom, leaves the engine "
+                         f"{max(share, 0) * total / GiB:.1f} GiB for its {weights / GiB:.1f} GiB of weights "
+                         f"and a KV cache; set --gpu-memory-utilization yourself, or train on more GPUs")
+    return round(share, 3)
+
+
 def kv_bytes_per_token(hf_config, dtype: str) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
@@ -109,7 +136,14 @@ def make_plan(hf_config, cfg, gpu: bool, model: str = "", gpu_gib: float | None 
     gpu_gib = gpu_gib or ASSUMED_GPU_GIB
     trainer = trainer_bytes(counts, hf_config, cfg.train_gpus, tc.precision == "bf16", tokens, context,
                             tc.grad_checkpointing == "on", tc.logits_chunk, tc.kl_coef > 0, lora)
-    engine = engine_bytes(counts, hf_config, dtype, gpu, rc.gpu_memory_utilization, rc.kv_cache_gib, gpu_gib)
+    share = rc.gpu_memory_utilization or 0.85
+    if gpu and getattr(cfg, "colocate", False) and not rc.gpu_memory_utilization:   # as train.py picks it
+        weights = engine_bytes(counts, hf_config, dtype, gpu, 0.0, 0.0, gpu_gib)["weights"]
+        free = gpu_gib * GiB - sum(v for k, v in trainer.items() if k in ("weights (fp32 masters)",
+                                                                           "reference model"))
+        headroom = colocated_headroom(trainer, cfg.bucket_mb << 20)
+        share = colocated_share(gpu_gib * GiB, free, headroom, weights)
+    engine = engine_bytes(counts, hf_config, dtype, gpu, share, rc.kv_cache_gib, gpu_gib)
     notes = {"ranks": cfg.train_gpus, "engines": cfg.rollout_gpus, "precision": tc.precision,
              "checkpointing": tc.grad_checkpointing, "tokens": tokens, "context": context, "dtype": dtype,
              "gpu": gpu, "gpu_gib": gpu_gib, "kv_per_token": kv_bytes_per_token(hf_config, dtype),

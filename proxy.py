@@ -278,7 +278,11 @@ class VLLMEngine:
 
         from lora import is_adapter_tensor
         adapter = self.adapter_config if meta and all(is_adapter_tensor(m[0]) for m in meta) else None
-        out = await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta, adapter))
+        if spec.transport == "ipc":        # weight_ipc.py: trainer rank e hands engine e its buckets
+            out = await self._receive_ipc(spec, (first_rank - 1) // spec.workers_per_engine, meta, adapter)
+        else:
+            out = await self.llm.collective_rpc("receive_weights",
+                                                args=(asdict(spec), first_rank, meta, adapter))
         if adapter is not None and self.lora_request is None:      # every worker holds it now
             # (vLLM wants a path even for an adapter its workers hold; this one says where it came from)
             self.lora_request = self._adapter_request("(weight sync)")
@@ -286,6 +290,20 @@ class VLLMEngine:
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
+
+    async def _receive_ipc(self, spec, engine: int, meta, adapter):
+        """The worker takes its buckets from the store (WeightSyncWorker.receive_weights_ipc). If the
+        call ends otherwise than by the worker's own answer (the engine died: the proxy cancels it),
+        the trainer rank waiting for its acks is told at once, not at its timeout."""
+        from dataclasses import asdict
+
+        import weight_ipc
+        try:
+            return await self.llm.collective_rpc("receive_weights_ipc",
+                                                 args=(asdict(spec), engine, meta, adapter))
+        except BaseException as e:
+            weight_ipc.tell_sender(spec, engine, meta, f"engine {engine}: its receive ended: {e!r}")
+            raise
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` given the ones before it (first token: none)."""

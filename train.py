@@ -42,6 +42,7 @@ from stream import TrainStream
 from task import DataConfig, Problem, load_dataset
 from timeline import RankEvents
 from trainer import PROBE_TEXT, TrainConfig, Trainer, TrainerRanks, check_model_dir, check_run_dir, collective
+from weight_ipc import IpcSender
 from weight_sync import Sender, weight_meta
 
 if __name__ == "__mp_main__":
@@ -71,6 +72,11 @@ class Config:
                                 "rank i's GPU; engines sleep (free their memory) while the trainer trains; "
                                 "needs --async-ratio 0 and --rollout-gpus == --train-gpus")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
+    weight_transport: str = opt("auto", "how the weights reach the engines: group (trainer rank 0 broadcasts "
+                                        "into every engine over one gloo/NCCL group) | ipc (trainer rank i "
+                                        "hands engine i IPC handles of buckets: CUDA IPC on a GPU, shared "
+                                        "memory on CPU; needs --rollout-gpus == --train-gpus, each pair on "
+                                        "one node, on GPUs one GPU: --colocate) | auto (ipc if --colocate)")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
     eval_every: int = opt(0, "held-out accuracy (greedy and mean@k) every N versions and at the end; "
                              "0 = never")
@@ -109,6 +115,17 @@ class Config:
         if self.colocate and (self.controller.async_ratio != 0 or self.rollout_gpus != self.train_gpus):
             raise ValueError("--colocate: the same GPUs generate then train, so it needs --async-ratio 0 and "
                              "--rollout-gpus == --train-gpus")
+        if self.weight_transport not in ("auto", "group", "ipc"):
+            raise ValueError(f"--weight-transport must be auto, group or ipc, got {self.weight_transport!r}")
+        if self.colocate and self.weight_transport == "group":
+            raise ValueError("--colocate --weight-transport group: NCCL refuses a group holding two ranks of "
+                             "one GPU; colocated weights go by CUDA IPC (--weight-transport ipc or auto)")
+        if self.weight_transport == "auto":
+            self.weight_transport = "ipc" if self.colocate else "group"
+        if self.weight_transport == "ipc" and self.rollout_gpus != self.train_gpus:
+            raise ValueError(f"--weight-transport ipc: trainer rank i hands engine i its weights, so it "
+                             f"needs --rollout-gpus == --train-gpus (got {self.rollout_gpus} and "
+                             f"{self.train_gpus})")
         check_tracker(self.tracker)        # a missing optional package is named now, before anything starts
 
 
@@ -197,11 +214,22 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
+    if cfg.weight_transport == "ipc":         # the engines start once the trainers hold their models
+        collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
     # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
     ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir, tokenizer.encode(PROBE_TEXT),
                          store=dist.PrefixStore(f"{attempt}/trainer-ranks", store), timeout_s=timeout)
+    ranks.release_after_train = cfg.colocate
+    # the weights: rank 0 broadcasts over a group that meets on the default group's store; or (ipc) every
+    # rank hands its own engine the buckets through that store. Engines receive in their own dtype
+    where = dict(host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), store=store,
+                 prefix=attempt, device=device, timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20)
+    if cfg.weight_transport == "ipc":
+        ranks.sender = IpcSender(**where, engine=rank, rank=rank)
+    elif rank == 0:
+        ranks.sender = Sender(**where, backend="nccl" if device.startswith("cuda") else "gloo")
     if rank != 0:
         return ranks.follow()
 
@@ -222,11 +250,6 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
             ctrl.readmit.extend(long_queue)
     log = RunLog(cfg, state["step"] if state else 0)
     ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
-    # the weight-sync group meets on the default group's store; engines receive in their own dtype
-    ranks.sender = Sender(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), store=store,
-                          prefix=attempt,
-                          backend="nccl" if device.startswith("cuda") else "gloo", device=device,
-                          timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20)
     meta = weight_meta(trainer.named_weights(), cfg.rollout.dtype)
     send = functools.partial(ranks.send_weights, meta=meta)
     try:
@@ -243,6 +266,8 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
     from transformers import AutoTokenizer
     index = rank - cfg.train_gpus                      # rollout rank index: its command queue
     who, rc, timeout = f"rollout rank {index} (global {rank})", cfg.rollout, cfg.controller.timeout_s
+    if cfg.weight_transport == "ipc":      # (before the queues: trainer rank 0 serves them after this)
+        collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     probe = tokenizer.encode(PROBE_TEXT)
     buffer = SampleBuffer(ManagerQueues.connect(*buffer_addr, cfg.rollout_gpus, timeout), who, timeout)
@@ -253,7 +278,9 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
                                                         torch.cuda.device_count())
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
-                  gpu_memory_utilization=rc.gpu_memory_utilization, use_tqdm_on_load=cfg.verbose,
+                  gpu_memory_utilization=(engine_memory_share(cfg, model_dir, who) if device != "cpu"
+                                          else 0.85),
+                  use_tqdm_on_load=cfg.verbose,
                   sleep_mode=cfg.colocate, lora=cfg.lora, adapter_dir=adapter_dir,
                   enforce_eager=True if rc.enforce_eager or device == "cpu" else None)
 
@@ -281,8 +308,65 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
     asyncio.run(main())
 
 
+def engine_memory_share(cfg: Config, model_dir: str, who: str) -> float:
+    """GPU: the engine's --gpu-memory-utilization. Unless given: 0.85 of its own GPU; under --colocate
+    what is free now (the trainer rank on this GPU holds its model: run_trainer's barrier) less what
+    that rank adds while the engine is awake (memplan.colocated_headroom), as a share of the GPU."""
+    if cfg.rollout.gpu_memory_utilization or not cfg.colocate:
+        return cfg.rollout.gpu_memory_utilization or 0.85
+    import memplan
+    from transformers import AutoConfig
+    free, total = torch.cuda.mem_get_info()
+    fixed = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.85))
+    plan = memplan.make_plan(AutoConfig.from_pretrained(model_dir), fixed, gpu=True, gpu_gib=total / 2**30)
+    try:
+        headroom = memplan.colocated_headroom(plan.trainer, cfg.bucket_mb << 20)
+        share = memplan.colocated_share(total, free, headroom, plan.engine["weights"])
+    except ValueError as e:
+        raise SystemExit(f"train.py: {who}: {e}") from None
+    print(f"{who}: --colocate: the engine takes {share:.3f} of the GPU ({free / 2**30:.1f} of "
+          f"{total / 2**30:.1f} GiB free at its start)", flush=True)
+    return share
+
+
 # ---------------------------------------------------------------------------------------------
 # distributed init / cleanup, from torchrun's environment
+
+
+def rank_places(world: int, local_world: int, visible: str | None, count: int) -> list[tuple[int, str]]:
+    """(node, GPU) of every global rank from torchrun's environment alone: rank r is local rank
+    r % local_world on node r // local_world (torchrun starts as many ranks on every node) and takes
+    the GPU init_distributed and run_rollout give that local rank (proxy.engine_gpu)."""
+    return [(r // local_world, engine_gpu(r % local_world, visible, count)) for r in range(world)]
+
+
+def layout_errors(places: list[tuple[int, str]], train: int, transport: str, cuda: bool) -> list[str]:
+    """What is wrong with this layout, before any group forms: an NCCL group (GPU: the trainer group;
+    the weight-sync group, trainer rank 0 and every engine) holding two ranks of one GPU, which NCCL
+    refuses; an ipc pair (trainer rank i, rollout rank i) not on one GPU (CPU: one node)."""
+    def name(r: int) -> str:
+        return f"trainer rank {r}" if r < train else f"rollout rank {r - train} (global rank {r})"
+
+    def where(r: int) -> str:
+        return f"node {places[r][0]}'s GPU {places[r][1]}" if cuda else f"node {places[r][0]}"
+    errors = []
+    groups = {"the trainer group (FSDP)": range(train)}
+    if transport == "group":
+        groups["the weight-sync group"] = [0, *range(train, len(places))]
+    for group, members in groups.items():
+        seen: dict = {}
+        for r in members:
+            if cuda and places[r] in seen:
+                errors.append(f"{group} would hold {name(seen[places[r]])} and {name(r)}, both on "
+                              f"{where(r)}: NCCL refuses two ranks of one GPU")
+            seen.setdefault(places[r], r)
+    if transport == "ipc":
+        for i, j in zip(range(train), range(train, len(places))):
+            if (places[i] if cuda else places[i][0]) != (places[j] if cuda else places[j][0]):
+                errors.append(f"the ipc transport pairs {name(i)} ({where(i)}) with {name(j)} ({where(j)}): "
+                              + ("CUDA IPC needs both on one GPU (--colocate)" if cuda
+                                 else "shared memory needs both on one node"))
+    return errors
 
 
 def init_distributed(cfg: Config):
@@ -295,6 +379,13 @@ def init_distributed(cfg: Config):
         sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus} = "
                  f"{cfg.rollout_gpus + cfg.train_gpus}, but torchrun started {world} ranks (WORLD_SIZE)")
     cuda = torch.cuda.is_available()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    errors = layout_errors(rank_places(world, local_world, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                       torch.cuda.device_count() if cuda else 1),
+                           cfg.train_gpus, cfg.weight_transport, cuda)
+    if errors:
+        sys.exit("train.py: this layout cannot run (torchrun's ranks on their GPUs, before any group "
+                 "forms):\n  " + "\n  ".join(errors))
     if cuda:      # this rank's GPU; under --colocate a trainer rank and a rollout rank share one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     elif cfg.colocate:
@@ -348,7 +439,10 @@ def main():
         if cfg.model and not (Path(cfg.model) / "config.json").exists():
             sys.exit(f"train.py: --model {cfg.model}: no config.json (a Hugging Face model dir)")
         gpu = cfg.dry_run == "gpu" or (cfg.dry_run == "auto" and torch.cuda.is_available())
-        return print(memory_plan(cfg, cfg.model, gpu))
+        try:
+            return print(memory_plan(cfg, cfg.model, gpu))
+        except ValueError as e:                 # (--colocate: no room left for the engine)
+            sys.exit(f"train.py: {e}")
     from buffer import die_with_parent
     die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
@@ -401,7 +495,8 @@ def main():
             print0(f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, "
                    f"model {model_dir} (context {rc.max_model_len}, {rc.dtype}, "
                    f"up to {rc.max_tokens} tokens a turn), "
-                   f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}"
+                   f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, "
+                   f"weights: {cfg.weight_transport}"
                    + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
             print0(memory_plan(cfg, model_dir, device.startswith("cuda")))
         # the queue server's address and key, shared through the default group

@@ -529,7 +529,9 @@ class TrainerRanks:
                  probe_ids: list[int], store=None, timeout_s: float = 1800.0):
         self.trainer, self.num_ranks, self.group = trainer, num_ranks, group
         self.out_dir, self.model_dir, self.probe_ids = out_dir, model_dir, probe_ids
-        self.sender = None     # rank 0: weight_sync.Sender, set once the run's store is known
+        # rank 0: weight_sync.Sender; ipc transport: every rank's weight_ipc.IpcSender (set by train.py)
+        self.sender = None
+        self.release_after_train = False   # --colocate: the GPU's cached blocks go back after each step
         self.store, self.timeout_s = store, timeout_s     # the mailboxes; a follower's longest wait
         if num_ranks > 1 and store is None:
             raise ValueError("TrainerRanks: more than one trainer rank needs a store (for the mailboxes)")
@@ -573,6 +575,30 @@ class TrainerRanks:
         gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket (self.sender).
         Runs in the controller's thread while rank 0's event loop waits."""
         self._run({"op": "send", "group": group, "meta": meta})
+
+    def _send(self, group, meta):
+        """This rank's part of a sync: its sender (rank 0's broadcast; under the ipc transport every
+        rank's own engine) sends what every rank gathers. ipc over several ranks: every rank's outcome
+        goes to rank 0, which raises for any (the controller then syncs again); the others go on."""
+        tr, ipc = self.trainer, getattr(group, "transport", "group") == "ipc"
+        if self.sender is None:
+            for _ in tr.iter_full_state():
+                pass
+            error = None
+        elif not ipc or self.num_ranks == 1:
+            return self.sender.send(group, tr.iter_full_state(), meta)
+        else:
+            try:
+                self.sender.send(group, tr.iter_full_state(), meta)
+                error = None
+            except Exception as e:
+                error = str(e)
+        if ipc and self.num_ranks > 1:
+            errors = [None] * self.num_ranks
+            collective("gathering the trainer ranks' ipc sends", dist.all_gather_object, errors, error,
+                       group=self.group)
+            if tr.rank == 0 and any(errors):
+                raise RuntimeError("; ".join(e for e in errors if e))
 
     def probe(self) -> list[float]:
         """The trainer's logprobs of the probe sequence (a forward pass on every rank under FSDP)."""
@@ -646,12 +672,12 @@ class TrainerRanks:
         tr = self.trainer
         if op["op"] == "train":
             metrics = tr.train_step(op["samples"][tr.rank], op["advantages"][tr.rank], op["version"])
-            return metrics, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
+            probe = tr.probe_logprobs(self.probe_ids) if op["probe"] else None
+            if self.release_after_train and tr.device.type == "cuda":
+                torch.cuda.empty_cache()    # --colocate: the engine on this GPU wakes for the sync next
+            return metrics, probe
         if op["op"] == "send":                                         # gathers: collective under FSDP
-            if tr.rank == 0:
-                return self.sender.send(op["group"], tr.iter_full_state(), op["meta"])
-            for _ in tr.iter_full_state():
-                pass
+            return self._send(op["group"], op["meta"])
         if op["op"] == "stream_begin":
             self.grad = GradStream(tr)
             self.grad.begin(op["version"])

@@ -20,6 +20,7 @@ weight_transfer package is CUDA-only, and the point here is one code path for CP
 Design notes: DESIGN.md#weight_syncpy
 """
 
+import itertools
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -66,9 +67,11 @@ class GroupSpec:
     backend: str = "gloo"     # "gloo" (CPU) | "nccl" (GPU)
     timeout_s: float = 600.0  # every collective of the group, and joining it
     bucket_bytes: int = 64 << 20
+    transport: str = "group"  # "group" (this module's broadcast) | "ipc" (weight_ipc.py: no group)
+    seq: int = 0              # the sync's number (the controller counts them): the ipc path's keys
 
-    def with_gen(self, gen: int) -> "GroupSpec":
-        return GroupSpec(**{**asdict(self), "gen": gen})
+    def with_gen(self, gen: int, seq: int = 0) -> "GroupSpec":
+        return GroupSpec(**{**asdict(self), "gen": gen, "seq": seq})
 
 
 def open_group(spec: GroupSpec, rank: int, store=None):
@@ -94,6 +97,18 @@ def broadcast(pg, t: torch.Tensor, who: str, phase: str):
         pg.broadcast(t, 0).wait()
     except RuntimeError as e:     # gloo/NCCL timeouts and dead peers surface as RuntimeError
         raise RuntimeError(f"{who}: {phase} failed or timed out: {e}") from None
+
+
+def pack(named, meta: Meta, idx: list[int], flat: torch.Tensor, who: str):
+    """The next len(idx) weights of `named` (an iterator, in meta's order) into `flat`, one bucket, each
+    cast to its meta dtype."""
+    parts = []
+    for i in idx:
+        name, t = next(named)
+        if name != meta[i][0]:
+            raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
+        parts.append(t.detach().reshape(-1).to(flat.device, getattr(torch, meta[i][2])))
+    torch.cat(parts, out=flat)
 
 
 class Sender:
@@ -134,15 +149,8 @@ class Sender:
             if self.buf is None or self.buf.numel() < max(nbytes, default=0):
                 self.buf = torch.empty(max(nbytes), dtype=torch.uint8, device=self.device)
             for b, idx in enumerate(plan):
-                parts = []
-                for i in idx:
-                    name, t = next(named)
-                    if name != meta[i][0]:
-                        raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
-                    parts.append(t.detach().reshape(-1).to(self.device, getattr(torch, meta[i][2])))
-                dtype = getattr(torch, meta[idx[0]][2])
-                flat = self.buf[:nbytes[b]].view(dtype)
-                torch.cat(parts, out=flat)
+                flat = self.buf[:nbytes[b]].view(getattr(torch, meta[idx[0]][2]))
+                pack(named, meta, idx, flat, who)
                 broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})")
         except BaseException:
             self.pg, self.gen = None, None     # a group that failed once is not used again
@@ -201,16 +209,49 @@ class WeightSyncWorker:
                     count[0] += 1
                     yield meta[i][0], chunk.view(meta[i][1])
 
-        stream = tensors()
+        self._load(tensors(), adapter)
+        return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
+
+    def receive_weights_ipc(self, spec: dict, engine: int, meta: Meta, adapter: dict | None = None) -> dict:
+        """The ipc transport (weight_ipc.py): engine `engine`'s buckets, handed over by trainer rank
+        `engine` through the run's store, loaded as they arrive; adapter as in receive_weights.
+        Returns what receive_weights returns."""
+        import time
+
+        import weight_ipc
+        t0 = time.monotonic()
+        spec = GroupSpec(**spec)
+        who = f"engine {engine}'s worker (weight-sync ipc, gen {spec.gen}, sync {spec.seq})"
+        if getattr(self, "rank", 0) != 0:
+            raise RuntimeError(f"{who}: the ipc transport hands each engine's buckets to one worker; "
+                               f"this engine has more (worker {self.rank})")
+        if getattr(self, "_ipc_at", None) != (spec.host, spec.port):
+            self._ipc_store, self._ipc_at = weight_ipc.connect(spec), (spec.host, spec.port)
+            self._ipc_slots = {}
+        rx = weight_ipc.IpcReceiver(self._ipc_store, spec, engine, meta, self.model_runner.device,
+                                    self._ipc_slots, who)
+        try:
+            self._load(rx.stream(), adapter)
+        except BaseException as e:
+            if not isinstance(e, weight_ipc.PeerFailed):
+                rx.fail(f"{who}: {e}")
+            raise
+        return {"tensors": len(meta), "wait_s": rx.waited, "total_s": time.monotonic() - t0}
+
+    def _load(self, stream, adapter: dict | None):
+        """Every (name, tensor) of `stream` into the model with vLLM's own reload (or, adapter: the
+        engine's LoRA adapter, replaced). On a GPU the buckets' memory then goes back to the device
+        (outside vLLM's sleep-mode pool: a colocated trainer needs it while this engine sleeps)."""
         if adapter is not None:
             self._load_adapter(dict(stream), adapter)
-            return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
-        self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
-        # (a loader that stopped early: the broadcast still needs every bucket received)
-        for _ in stream:
-            pass
-        self._fix_tied_head()
-        return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
+        else:
+            self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+            # (a loader that stopped early: the sender still needs every bucket taken)
+            for _ in stream:
+                pass
+            self._fix_tied_head()
+        if torch.device(self.model_runner.device).type == "cuda":
+            torch.cuda.empty_cache()
 
     def _load_adapter(self, tensors: dict, config: dict):
         # vLLM's own LoRA loading, from tensors instead of a dir (what its LRU worker manager does for an
@@ -250,13 +291,18 @@ class WeightSyncWorker:
                 head.quant_method.process_weights_after_loading(head)
 
 
-async def push(proxies, sender: Sender, named, version: int, gen: int = 0):
-    """One process holding the weights and the proxies (benchmarks, tests): broadcast `named` into
-    every (suspended) proxy's engine over sender's group, generation `gen`."""
+PUSHES = itertools.count(1)      # push()'s syncs, numbered as the controller numbers a run's
+
+
+async def push(proxies, sender, named, version: int, gen: int = 0):
+    """One process holding the weights and the proxies (benchmarks, tests): `named` into every
+    (suspended) proxy's engine, generation `gen`. sender: a Sender (a broadcast over its group) or a
+    list of weight_ipc.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
     import asyncio
     named = list(named)
     meta = weight_meta(named)
-    spec = sender.spec(gen, len(proxies))
-    await asyncio.gather(asyncio.to_thread(sender.send, spec, named, meta),
+    senders = sender if isinstance(sender, list) else [sender]
+    spec = senders[0].spec(gen, len(proxies)).with_gen(gen, next(PUSHES))
+    await asyncio.gather(*[asyncio.to_thread(s.send, spec, named, meta) for s in senders],
                          *[p.update_weights(meta, version, spec, first_rank=1 + i)
                            for i, p in enumerate(proxies)])

@@ -1,4 +1,5 @@
-"""The proxy over a real vLLM CPU engine with the tiny model: logprobs, abort, weight updates.
+"""The proxy over a real vLLM CPU engine with the tiny model: logprobs, abort, weight updates (both
+transports: the group broadcast and the ipc hand-over, weight_ipc.py, over shared memory here).
 
 Reference logprobs come from transformers on the same float32 weights; they agree within 1e-4."""
 
@@ -10,6 +11,7 @@ import torch
 
 from proxy import LLMProxy, Sampling
 from trainer import token_logprobs
+from weight_ipc import IpcSender
 from weight_sync import Sender, push
 
 pytestmark = pytest.mark.engine
@@ -28,15 +30,19 @@ def perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-SENDERS: dict[int, Sender] = {}      # one weight-sync group per engine, as a run has
+SENDERS: dict[tuple, object] = {}    # one weight-sync group (or ipc sender) per engine, as a run has
 
 
 async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep",
-                 bucket_bytes: int = 64 << 20):
-    """This process as trainer rank 0: broadcast `weights` straight into the engine's worker."""
-    sender = SENDERS.setdefault(id(proxy), Sender(timeout_s=60, bucket_bytes=bucket_bytes))
+                 bucket_bytes: int = 64 << 20, transport: str = "group"):
+    """This process as trainer rank 0: broadcast `weights` straight into the engine's worker, or (ipc)
+    hand them over as shared-memory buckets."""
+    key = (id(proxy), transport, bucket_bytes)
+    if key not in SENDERS:
+        SENDERS[key] = (Sender(timeout_s=60, bucket_bytes=bucket_bytes) if transport == "group"
+                        else [IpcSender(timeout_s=60, bucket_bytes=bucket_bytes)])
     await proxy.suspend(mode)
-    await push([proxy], sender, weights.items(), version)
+    await push([proxy], SENDERS[key], weights.items(), version)
     await proxy.resume()
 
 
@@ -153,10 +159,12 @@ def test_probe_logprobs_follow_weight_updates(vllm_proxy, hf):
     assert max(abs(a - b) for a, b in zip(ref_old, ref_new)) > 1e-2   # the update really changed them
 
 
-def check_updates_land(lt, proxy, model, tok, tied: bool):
-    """Three updates in several buckets each; after each the engine's logprobs of a probe are the
-    reference model's under the same weights (parameters cannot be compared: on CPU vLLM prepacks
-    linear layers, whose .weight then reads as zeros)."""
+def check_updates_land(lt, proxy, model, tok, tied: bool, transport: str = "group"):
+    """Three updates in several buckets each (about 20 here: buckets of 256 KiB), over `transport`; after each
+    the engine's logprobs of a probe are the reference model's under the same weights (parameters
+    cannot be compared: on CPU vLLM prepacks linear layers, whose .weight then reads as zeros)."""
+    from weight_sync import plan_buckets, weight_meta
+    assert len(plan_buckets(weight_meta(model.named_parameters()), 1 << 18)) >= 8
     assert model.config.tie_word_embeddings == tied
     probe = tok.encode("123+456=579")
     v0 = proxy.version
@@ -166,19 +174,26 @@ def check_updates_land(lt, proxy, model, tok, tied: bool):
         if tied:
             # HF checkpoints of tied models carry no head: the engine re-ties it
             new.pop("lm_head.weight", None)
-        lt.run(update(proxy, new, v0 + k, bucket_bytes=1 << 18))
+        lt.run(update(proxy, new, v0 + k, bucket_bytes=1 << 18, transport=transport))
         ref_model.load_state_dict(new, strict=False)
         if tied:
             ref_model.tie_weights()
         got, ref = lt.run(proxy.score(probe)), ref_logprobs(ref_model, probe[:1], probe[1:])
         assert max(abs(a - b) for a, b in zip(got, ref)) < TOL, k
         assert proxy.version == v0 + k
-    lt.run(update(proxy, dict(model.named_parameters()), v0 + 4))    # restore for later tests
+    lt.run(update(proxy, dict(model.named_parameters()), v0 + 4, transport=transport))   # restore
 
 
 def test_several_updates_land_exactly_tied_embeddings(vllm_proxy, hf):
     lt, proxy = vllm_proxy
     check_updates_land(lt, proxy, *hf, tied=True)
+
+
+def test_several_ipc_updates_land_exactly_tied_embeddings(vllm_proxy, hf):
+    """The ipc transport: this process as trainer rank 0, the buckets in shared memory (the CPU twin of
+    CUDA IPC), handed to the engine's worker through a TCPStore; the same loads as the broadcast's."""
+    lt, proxy = vllm_proxy
+    check_updates_land(lt, proxy, *hf, tied=True, transport="ipc")
 
 
 def test_several_updates_land_exactly_untied_embeddings(tiny_model_dir, tmp_path):
@@ -200,6 +215,7 @@ def test_several_updates_land_exactly_untied_embeddings(tiny_model_dir, tmp_path
     proxy = lt.run(LLMProxy.start_vllm(str(tmp_path), rank=0, timeout_s=120))
     try:
         check_updates_land(lt, proxy, model, tok, tied=False)
+        check_updates_land(lt, proxy, model, tok, tied=False, transport="ipc")   # the same engine, ipc
         ipc = proxy.engine.ipc_dir                    # the engine's IPC sockets live in a dir of its own ...
         assert ipc and os.listdir(ipc)
     finally:

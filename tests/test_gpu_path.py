@@ -4,6 +4,7 @@ without it (none has run here: this machine has no GPU)."""
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,69 @@ def test_each_engine_gets_its_ranks_own_gpu():
     assert [engine_gpu(r, None, 4) for r in range(4, 8)] == ["0", "1", "2", "3"]
     # a user's CUDA_VISIBLE_DEVICES is a list of names, honoured as such
     assert [engine_gpu(r, "4,5, 6,7", 4) for r in (0, 2, 5)] == ["4", "6", "5"]
+
+
+def test_the_layout_check_refuses_an_nccl_group_with_two_ranks_of_one_gpu():
+    """Fake layouts (no GPU needed): torchrun's environment alone says which GPU each rank takes; a
+    group NCCL would refuse ("Duplicate GPU detected") is named with its two ranks and their GPU,
+    before any group forms."""
+    from train import layout_errors, rank_places
+    # --colocate on one node of 4 GPUs: 8 ranks, rollout rank i on trainer rank i's GPU
+    colocated = rank_places(8, 8, None, 4)
+    assert colocated[5] == colocated[1] == (0, "1")
+    assert layout_errors(colocated, 4, "ipc", cuda=True) == []
+    # the same layout with the group broadcast: trainer rank 0 and rollout rank 0's engine on GPU 0
+    [err] = layout_errors(colocated, 4, "group", cuda=True)
+    assert err.startswith("the weight-sync group would hold trainer rank 0 and rollout rank 0 (global rank "
+                          "4), both on node 0's GPU 0: NCCL refuses")
+    # --colocate over 2 nodes of 4 GPUs (8 ranks a node): trainer ranks 0..7 fill node 0, two per GPU
+    errors = layout_errors(rank_places(16, 8, None, 4), 8, "ipc", cuda=True)
+    assert "the trainer group (FSDP) would hold trainer rank 0 and trainer rank 4, both on node 0's GPU 0" \
+        in errors[0]
+    assert any("pairs trainer rank 0 (node 0's GPU 0) with rollout rank 0 (global rank 8) (node 1's GPU 0)"
+               in e for e in errors)
+    # one GPU per rank (the README's 24 + 16 on 5 nodes of 8): nothing to refuse, either transport's groups
+    assert layout_errors(rank_places(40, 8, None, 8), 16, "group", cuda=True) == []
+    # ipc without --colocate on GPUs: the pair sits on two GPUs, which CUDA IPC cannot join
+    assert "CUDA IPC needs both on one GPU" in layout_errors(rank_places(4, 4, None, 4), 2, "ipc", True)[0]
+    # a user's CUDA_VISIBLE_DEVICES: names as given; 3 ranks on "6,7": global ranks 0 and 2 on GPU 6
+    assert "both on node 0's GPU 6" in layout_errors(rank_places(3, 3, "6,7", 2), 2, "group", cuda=True)[0]
+    # CPU: gloo groups hold anything; the ipc pairs must share a node (shared memory)
+    assert layout_errors(rank_places(4, 4, None, 1), 2, "ipc", cuda=False) == []
+    errors = layout_errors(rank_places(4, 2, None, 1), 2, "ipc", cuda=False)   # 2 nodes: trainers on node 0
+    assert len(errors) == 2 and ("trainer rank 1 (node 0) with rollout rank 1 (global rank 3) (node 1): "
+                                 "shared memory needs both on one node") in errors[1]
+
+
+def test_weight_transport_flags(capsys):
+    """--weight-transport: group by default, ipc under --colocate (auto); the contradictions named."""
+    from config import parse_cli
+    from train import Config
+    assert parse_cli(Config, []).weight_transport == "group"
+    assert parse_cli(Config, ["--colocate", "--async-ratio", "0"]).weight_transport == "ipc"
+    for args, message in ((["--colocate", "--async-ratio", "0", "--weight-transport", "group"],
+                           "--colocate --weight-transport group: NCCL refuses"),
+                          (["--weight-transport", "ipc", "--rollout-gpus", "2"],
+                           "--weight-transport ipc: .* needs --rollout-gpus == --train-gpus"),
+                          (["--weight-transport", "nccl"], "--weight-transport must be auto, group or ipc")):
+        with pytest.raises(SystemExit):
+            parse_cli(Config, args)
+        assert re.search(message, capsys.readouterr().err), args
+
+
+def test_colocated_engine_share_leaves_the_trainer_its_headroom():
+    """--colocate's default --gpu-memory-utilization: free memory at the engine's start less what the
+    trainer adds while the engine is awake; too little left is an error naming the flag."""
+    from memplan import GiB, colocated_headroom, colocated_share
+    trainer = {"weights (fp32 masters)": 4 * GiB, "gradients": 4 * GiB, "AdamW moments": 8 * GiB,
+               "gathered weights": 1 * GiB, "activations": 30 * GiB, "logits chunk": 2 * GiB}
+    headroom = colocated_headroom(trainer, 64 << 20)
+    assert headroom == (4 + 8 + 1 + 2) * GiB + 128 * 2**20          # not the activations: the engine sleeps
+    share = colocated_share(80 * GiB, 75 * GiB, headroom, 14 * GiB)
+    assert share == round((75 * GiB - headroom) / (80 * GiB), 3)
+    assert colocated_share(80 * GiB, 80 * GiB, 0, 14 * GiB) == 0.9                # capped
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        colocated_share(80 * GiB, 30 * GiB, headroom, 14 * GiB)
 
 
 def test_cpu_layout_gives_each_engine_a_core_of_its_own():
@@ -135,6 +199,10 @@ def test_gpu_two_engines_on_two_devices_and_fsdp_over_two_trainer_ranks(tmp_path
 @gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_colocated_sync_baseline(tmp_path):
+    """--colocate on 2 GPUs, 4 processes: the weights by CUDA IPC (no NCCL group holds two ranks of one
+    GPU), the engines' memory share computed from what is free, sleep and wake around training."""
+    from runlog import PROBE_TOLERANCE
     rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--colocate",
                     "--async-ratio", "0")
-    assert all(r["staleness_max"] == 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["staleness_max"] == 0 for r in rows)
+    assert all(r["sync_probe_max_diff"] < PROBE_TOLERANCE["bf16"] for r in rows)

@@ -30,13 +30,13 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def torchrun_cmd(*train_args: str, rollout_gpus: int = 1, launcher=()) -> list[str]:
-    """`torchrun ... train.py` on one node: 1 trainer rank + `rollout_gpus` rollout ranks (the default
-    layout for 1), on free loopback ports; `launcher`: extra torchrun flags (e.g. --max-restarts)."""
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + 1),
+def torchrun_cmd(*train_args: str, rollout_gpus: int = 1, launcher=(), train_gpus: int = 1) -> list[str]:
+    """`torchrun ... train.py` on one node: `train_gpus` trainer ranks + `rollout_gpus` rollout ranks (1 +
+    1: the default layout), on free loopback ports; `launcher`: extra torchrun flags (e.g. --max-restarts)."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(rollout_gpus + train_gpus),
             *launcher,
             "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
-            "--rollout-gpus", str(rollout_gpus), "--train-gpus", "1", *train_args]
+            "--rollout-gpus", str(rollout_gpus), "--train-gpus", str(train_gpus), *train_args]
 
 
 def role_of(p, root_pid: int) -> str:

@@ -1,0 +1,229 @@
+"""weight_ipc.py: the weights handed over, not sent: trainer rank i -> engine i as IPC handles of buckets.
+
+    sender = IpcSender(host, port, store=store, engine=i, device=device)   # trainer rank i (ipc transport)
+    sender.send(sender.spec().with_gen(gen, seq), trainer.iter_full_state(), meta)
+    IpcReceiver(store, spec, i, meta, device, slots, who).stream()   # engine i's worker, meanwhile
+
+No process group: trainer rank i fills a few flat buckets (BUFFERS, reused) in the engine's dtype on
+its own device and posts each bucket's slot on the run's TCPStore; the first post of a slot in a sync
+carries its handle (torch.multiprocessing's reduce_tensor: CUDA IPC on a GPU; on CPU a shared-memory
+file of the file_system strategy, which an unrelated process can open: the CPU twin is the same code).
+Engine i's worker rebuilds the slot, copies the bucket into memory of its own (vLLM's layer-wise
+reload keeps the tensors it gets until their layer is complete), acks, and loads it while the
+trainer fills the next one; a slot is refilled once its last bucket is acked.
+Waits: each one blocks on one key, bounded by the spec's timeout, and names the rank, the bucket
+and the phase. A side that fails posts its error in every key the other may be waiting on (the
+rollout rank does it for an engine that died), so a failure ends the sync at once on both sides.
+Clean-up: CUDA memory goes with its process. The shared-memory files are reference counted by
+torch: unlinked when the last process that maps one closes it, and torch_shm_manager unlinks those
+of processes that were killed (checked: tests/test_weight_ipc.py).
+Design notes: DESIGN.md#weight_syncpy
+"""
+
+import contextlib
+import pickle
+import time
+from datetime import timedelta
+
+import torch
+
+from weight_sync import GroupSpec, Meta, meta_bytes, pack, plan_buckets
+
+BUFFERS = 2               # bucket buffers per sender: one filled while the worker copies the other
+
+
+def keys(store, spec: GroupSpec, engine: int):
+    """Engine `engine`'s keys for the sync spec names (a generation and a sequence number: never reused)."""
+    from torch.distributed import PrefixStore
+    return PrefixStore(f"{spec.prefix}/weight-ipc/gen{spec.gen}/engine{engine}/sync{spec.seq}", store)
+
+
+def connect(spec: GroupSpec):
+    from torch.distributed import TCPStore
+    return TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+
+
+class PeerFailed(RuntimeError):
+    """The other side of the sync failed and said so (it needs no telling back)."""
+
+
+def take(store, key: str, timeout_s: float, who: str, what: str):
+    """Wait for `key` (at most timeout_s), read it and delete it; a failure the peer posted there raises."""
+    from torch.distributed import DistStoreError
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        value = pickle.loads(store.get(key))
+        store.delete_key(key)
+    except DistStoreError:
+        raise TimeoutError(f"{who}: {what}: nothing came within {timeout_s:.0f}s") from None
+    except RuntimeError as e:        # the store's host is gone
+        raise RuntimeError(f"{who}: {what}: lost the store: {e}") from None
+    if isinstance(value, dict) and "failed" in value:
+        raise PeerFailed(f"{who}: {what}: the other side failed: {value['failed']}")
+    return value
+
+
+def post_failure(store, names: list[str], reason: str):
+    """Wake whoever waits on one of `names` with `reason` (best effort: the store may be gone)."""
+    with contextlib.suppress(Exception):
+        for name in names:
+            store.set(name, pickle.dumps({"failed": reason}))
+
+
+def tell_sender(spec: GroupSpec, engine: int, meta: Meta, reason: str):
+    """From outside the worker (its rollout rank): wake engine `engine`'s sender, whichever ack it waits
+    for, with `reason` (best effort, within seconds)."""
+    from torch.distributed import TCPStore
+    with contextlib.suppress(Exception):
+        store = TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=10))
+        n = len(plan_buckets(meta, spec.bucket_bytes))
+        post_failure(keys(store, spec, engine), [f"ack{k}" for k in range(n)], reason)
+
+
+@contextlib.contextmanager
+def file_system_sharing():
+    """torch.multiprocessing's file_system strategy, here only: a file in /dev/shm that any process can
+    open by name (the default strategy passes a file descriptor, which only a child can receive)."""
+    import torch.multiprocessing as mp
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def handle_of(t: torch.Tensor) -> bytes:
+    """A handle another process can rebuild `t` from: reduce_tensor's, pickled as torch pickles it for
+    a queue, with the GPU's UUID (a device index means another GPU in a process with its own
+    CUDA_VISIBLE_DEVICES)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing.reductions import reduce_tensor
+    with file_system_sharing():
+        payload = bytes(ForkingPickler.dumps(reduce_tensor(t)))
+    uuid = str(torch.cuda.get_device_properties(t.device).uuid) if t.is_cuda else ""
+    return pickle.dumps((uuid, payload))
+
+
+def rebuild(handle: bytes, device: torch.device, who: str) -> torch.Tensor:
+    """The tensor handle_of() described, in this process (CUDA: on `device`, which must be its GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    uuid, payload = pickle.loads(handle)
+    fn, args = pickle.loads(payload)
+    if fn is rebuild_cuda_tensor:
+        mine = str(torch.cuda.get_device_properties(device).uuid)
+        if mine != uuid:
+            raise RuntimeError(f"{who}: the trainer's buckets are on GPU {uuid}, this worker's device is GPU "
+                               f"{mine}: CUDA IPC hands over memory of one GPU (--colocate pairs them)")
+        args = list(args)
+        args[6] = device.index        # its storage_device: this process's index of the same GPU
+    return fn(*args)
+
+
+class IpcSender:
+    """Trainer rank `rank`'s side, for engine `engine`: BUFFERS bucket buffers on `device`, reused (fresh
+    ones only when a bucket outgrows them). `store`: a TCPStore that engine's worker reaches at (host,
+    port), the run's; None: host one here on a free port (one process as the trainer: tests, tools)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, store=None, prefix: str = "run",
+                 engine: int = 0, device: str = "cpu", timeout_s: float = 600.0, bucket_bytes: int = 64 << 20,
+                 rank: int | None = None):
+        if store is None:
+            from torch.distributed import TCPStore
+            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+            port = store.port
+        self.store, self.engine, self.device = store, engine, torch.device(device)
+        self.spec0 = GroupSpec(host, port, prefix, 0, 2, 1, "none", timeout_s, bucket_bytes, transport="ipc")
+        self.who = f"trainer rank {engine if rank is None else rank}"
+        self.bufs: list[torch.Tensor] = []
+
+    def spec(self, gen: int = 0, num_engines: int = 1, workers_per_engine: int = 1) -> GroupSpec:
+        """What a sync rides on (Cmd.SYNC, collective_rpc): the store's address and the keys' prefix; the
+        controller numbers the syncs (with_gen). As Sender.spec; the ipc path has no group to size."""
+        return self.spec0.with_gen(gen)
+
+    def _buffers(self, nbytes: int):
+        if self.bufs and self.bufs[0].numel() >= nbytes:
+            return
+        self.bufs = []                   # (the old ones: freed; their files go with their last mapping)
+        for _ in range(BUFFERS):
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            if buf.device.type == "cpu":
+                with file_system_sharing():
+                    buf.share_memory_()
+            self.bufs.append(buf)
+
+    def send(self, spec: GroupSpec, named, meta: Meta):
+        """Hand `named` ((name, tensor) in meta's order, consumed once, bucket by bucket) to engine
+        self.engine's worker, which receives at the same time. Returns once the worker has copied
+        every bucket. On a failure the iterator is still drained (FSDP's gathers are collectives)."""
+        named = iter(named)
+        store = keys(self.store, spec, self.engine)
+        who = f"{self.who} -> engine {self.engine} (weight-sync ipc, gen {spec.gen}, sync {spec.seq})"
+        plan = plan_buckets(meta, spec.bucket_bytes)
+        b = 0
+        try:
+            nbytes = [meta_bytes([meta[i] for i in idx]) for idx in plan]
+            self._buffers(max(nbytes, default=0))
+            announced = set()
+            for b, idx in enumerate(plan):
+                slot = b % BUFFERS
+                if b >= BUFFERS:
+                    take(store, f"ack{b - BUFFERS}", spec.timeout_s, who,
+                         f"bucket {b - BUFFERS}: waiting for the worker's ack to reuse its buffer")
+                flat = self.bufs[slot][:nbytes[b]].view(getattr(torch, meta[idx[0]][2]))
+                pack(named, meta, idx, flat, who)
+                if flat.is_cuda:         # written before the worker reads (reduce_tensor's event: only once)
+                    torch.cuda.current_stream(flat.device).synchronize()
+                handle = b"" if slot in announced else handle_of(self.bufs[slot])
+                announced.add(slot)
+                store.set(f"b{b}", pickle.dumps((slot, nbytes[b], handle)))
+            for k in range(max(0, len(plan) - BUFFERS), len(plan)):
+                b = k
+                take(store, f"ack{k}", spec.timeout_s, who, f"bucket {k}: waiting for the worker's ack")
+        except BaseException as e:
+            if not isinstance(e, PeerFailed):
+                post_failure(store, [f"b{k}" for k in range(b, len(plan))], f"{who}: bucket {b}: {e}")
+            for _ in named:
+                pass
+            raise
+
+
+class IpcReceiver:
+    """Engine `engine`'s worker side of one sync. stream(): (name, tensor) of every weight, bucket by
+    bucket, in memory of its own on `device`; slots: slot -> the sender's buffer, rebuilt (kept across
+    syncs: a handle is opened once); waited: seconds spent waiting for buckets. fail(reason): tell
+    the sender (whatever failed: the stream, or vLLM's load of what it yielded)."""
+
+    def __init__(self, store, spec: GroupSpec, engine: int, meta: Meta, device: torch.device, slots: dict,
+                 who: str):
+        self.store, self.spec, self.meta, self.device, self.slots = keys(store, spec, engine), spec, meta, \
+            device, slots
+        self.who, self.plan = who, plan_buckets(meta, spec.bucket_bytes)
+        self.acked, self.waited = 0, 0.0        # buckets acked so far; seconds waiting for buckets
+
+    def stream(self):
+        meta, plan = self.meta, self.plan
+        for b, idx in enumerate(plan):
+            t = time.monotonic()
+            slot, nbytes, handle = take(self.store, f"b{b}", self.spec.timeout_s, self.who,
+                                        f"bucket {b}: waiting for it")
+            self.waited += time.monotonic() - t
+            if nbytes != meta_bytes([meta[i] for i in idx]):
+                raise RuntimeError(f"{self.who}: bucket {b} has {nbytes} bytes, this worker's plan "
+                                   f"{meta_bytes([meta[i] for i in idx])}: the two sides' meta differ")
+            if handle:
+                self.slots[slot] = rebuild(handle, self.device, self.who)
+            flat = self.slots[slot][:nbytes].view(getattr(torch, meta[idx[0]][2])).clone()
+            if flat.is_cuda:             # copied before the sender refills the slot
+                torch.cuda.current_stream(flat.device).synchronize()
+            self.store.set(f"ack{b}", pickle.dumps(None))
+            self.acked = b + 1
+            for i, chunk in zip(idx, torch.split(flat, [torch.Size(meta[i][1]).numel() for i in idx])):
+                yield meta[i][0], chunk.view(meta[i][1])
+
+    def fail(self, reason: str):
+        """Wake the sender, waiting for an ack, with `reason`."""
+        post_failure(self.store, [f"ack{k}" for k in range(self.acked, len(self.plan))], reason)
