@@ -260,8 +260,15 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         traj.request_id = None
         if c.finish_reason == "abort":
             raise Aborted(f"rollout rank {proxy.rank}: task {task.task_id} turn {turn} aborted")
-        traj.add(c.token_ids, c.logprobs, c.versions)
-        text = fmt.decode(c.token_ids)     # EOS: trained on, not shown to the env
+        ids = c.token_ids
+        if task.problem.target_len > 0:    # benchmark: the answer ends at its first EOS; what follows is
+            end = next((k + 1 for k, t in enumerate(ids) if t in fmt.eos_ids), len(ids))   # length only
+            traj.add(ids[:end], c.logprobs[:end], c.versions[:end])
+            traj.add(ids[end:])            # generated and trained through, out of the loss
+            ids = ids[:end]
+        else:
+            traj.add(ids, c.logprobs, c.versions)
+        text = fmt.decode(ids)             # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
         traj.reward += r
         traj.num_turns += 1

@@ -19,11 +19,13 @@ Design notes: DESIGN.md#taskpy
 """
 
 import asyncio
+import functools
 import importlib
 import json
+import math
 import multiprocessing
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from config import opt
@@ -139,10 +141,19 @@ class DataConfig:
                              "generated problems from a seed training never uses")
     eval_prompts: int = opt(64, "held-out prompts per evaluation")
     eval_k: int = opt(4, "samples per held-out prompt at temperature 1 (mean@k)")
+    response_len_median: float = opt(0.0, "a long-tail length workload (benchmarks): each training prompt asks "
+                                          "for exactly lognormal(this, --response-len-sigma) response tokens, "
+                                          "drawn once per prompt (EOS ignored: the answer is scored up to "
+                                          "its first EOS, the tokens after it are generated and trained "
+                                          "through but out of the loss); 0 = off")
+    response_len_sigma: float = opt(1.0, "--response-len-median's lognormal sigma")
 
     def __post_init__(self):
         if self.data and self.task:
             raise ValueError("--data and --task: pick one source of problems")
+        if self.response_len_median < 0 or self.response_len_sigma < 0:
+            raise ValueError(f"--response-len-median and --response-len-sigma must be >= 0, got "
+                             f"{self.response_len_median}, {self.response_len_sigma}")
         if self.eval_prompts < 1 or self.eval_k < 1:
             raise ValueError(f"--eval-prompts and --eval-k must be >= 1, got {self.eval_prompts}, "
                              f"{self.eval_k}")
@@ -153,6 +164,10 @@ class DataConfig:
         training); else generated ones from a seed training never uses."""
         problems = load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None
         make = reasoning_gym_maker(self.task, seed) if self.task else make_problem
+        if self.response_len_median > 0:     # the budget is the prompt's: a deferred prompt keeps its length
+            rng = random.Random(seed + 7)
+            problems = problems and [replace(p, target_len=self.response_len(rng)) for p in problems]
+            make = functools.partial(self._with_length, make)
         n, held_out = self.eval_prompts, []
         if not evaluate:
             return problems, make, held_out
@@ -169,6 +184,12 @@ class DataConfig:
         else:
             held_out = make_problems(n, seed=seed + 1_000_003)
         return problems, make, held_out
+
+    def response_len(self, rng: random.Random) -> int:
+        return max(1, round(rng.lognormvariate(math.log(self.response_len_median), self.response_len_sigma)))
+
+    def _with_length(self, make, rng: random.Random) -> Problem:
+        return replace(make(rng), target_len=self.response_len(rng))
 
 
 # procedural tasks: reasoning-gym
