@@ -65,8 +65,9 @@ class RolloutConfig:
                           "task's")
     reward_workers: int = opt(-1, "verifier processes per rollout rank; 0 = on its event loop; -1 = 0 for "
                                   "the embedded addition check, else 1")
-    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is replaced); "
-                                        "with --reward-timeout-factor > 0: the adaptive timeout's ceiling")
+    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is "
+                                        "replaced); with --reward-timeout-factor > 0: the adaptive timeout's "
+                                        "ceiling")
     reward_timeout_factor: float = opt(0.0, "adaptive verifier timeout (RollPacker): a call gets min(max("
                                             "--reward-timeout-min-s, this x the slowest correct answer so "
                                             "far), --reward-timeout-s), then scores 0; 0 = off (needs "
@@ -321,8 +322,9 @@ class EnvManager:
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
         self.recovering = False                 # _recover is replacing the engine (the loop starts no task)
         self.deadline = EnvDeadline.of(cfg)      # every env call's, adapting to their latencies
-        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s, cfg.reward_timeout_factor,
-                                cfg.reward_timeout_min_s) if cfg.reward_workers > 0 else None)
+        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s,
+                                cfg.reward_timeout_factor, cfg.reward_timeout_min_s)
+                     if cfg.reward_workers > 0 else None)
         self.reward_fn = (self.pool.score if self.pool
                           else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)

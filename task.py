@@ -141,11 +141,11 @@ class DataConfig:
                              "generated problems from a seed training never uses")
     eval_prompts: int = opt(64, "held-out prompts per evaluation")
     eval_k: int = opt(4, "samples per held-out prompt at temperature 1 (mean@k)")
-    response_len_median: float = opt(0.0, "a long-tail length workload (benchmarks): each training prompt asks "
-                                          "for exactly lognormal(this, --response-len-sigma) response tokens, "
-                                          "drawn once per prompt (EOS ignored: the answer is scored up to "
-                                          "its first EOS, the tokens after it are generated and trained "
-                                          "through but out of the loss); 0 = off")
+    response_len_median: float = opt(0.0, "a long-tail length workload (benchmarks): each training prompt "
+                                          "asks for exactly lognormal(this, --response-len-sigma) response "
+                                          "tokens, drawn once per prompt (EOS ignored: the answer is scored "
+                                          "up to its first EOS, the tokens after it are generated and "
+                                          "trained through but out of the loss); 0 = off")
     response_len_sigma: float = opt(1.0, "--response-len-median's lognormal sigma")
 
     def __post_init__(self):

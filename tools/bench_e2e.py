@@ -300,7 +300,8 @@ def main(args):
     runs = {"sync": lambda seed: system(args, seed, 0, out_root / f"sync-seed{seed}"),
             "async": lambda seed: system(args, seed, 2, out_root / f"async-seed{seed}")}
     if args.rollpacker:          # RollPacker's five, on a long-tail length workload
-        tail, stream = ("--tail-batching", "--tail-oversample", str(args.tail_oversample)), ("--stream-trainer",)
+        tail = ("--tail-batching", "--tail-oversample", str(args.tail_oversample))
+        stream = ("--stream-trainer",)
         base, runs = "sync", {
             "sync": runs["sync"],
             "sync_tail": lambda seed: system(args, seed, 0, out_root / f"sync_tail-seed{seed}", extra=tail),
@@ -389,10 +390,11 @@ if __name__ == "__main__":
     ap.add_argument("--env-redundancy", type=int, default=2, help="--env: the redundant run's extra "
                     "trajectories per group")
     ap.add_argument("--rollpacker", action="store_true", help="RollPacker's comparison instead: sync, "
-                    "sync_tail, sync_tail_stream, async (ratio 2), async_tail, on a long-tail length workload")
+                    "sync_tail, sync_tail_stream, async (ratio 2), async_tail, on a long-tail length "
+                    "workload")
     ap.add_argument("--response-len-median", type=float, default=0.0, help="train.py's: each prompt's "
-                    "response is exactly lognormal(this, --response-len-sigma) tokens; 0 = off (--rollpacker: "
-                    "8)")
+                    "response is exactly lognormal(this, --response-len-sigma) tokens; 0 = off "
+                    "(--rollpacker: 8)")
     ap.add_argument("--response-len-sigma", type=float, default=1.0)
     ap.add_argument("--tail-oversample", type=float, default=1.5, help="--rollpacker: train.py's")
     ap.add_argument("--runs", nargs="+", help="only these (default: all of the workload's; ratios need both "
