@@ -413,8 +413,11 @@ class GroupAssembler:
     - take() hands out complete groups oldest first (order="oldest": in the order they completed)
       or freshest first (order="freshest": by the version of their oldest token, newest first; ties
       in completion order), the paper's preference for fresher samples. Either way only fresh ones.
+    - defer() gives up on a group that is not complete (tail batching: its prompt runs again in a long
+      round); its samples so far, and any that arrive later, are counted in samples_deferred.
     Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or
-    one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus).
+    one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus,
+    samples_deferred).
     The ids of resolved groups (closed or dead) are forgotten FORGET_AFTER versions past the freshness
     window, so a long run's memory stays flat; a straggler of a forgotten group then waits as a
     pending group of its own until it is stale, and is counted as dropped stale.
@@ -444,6 +447,9 @@ class GroupAssembler:
         self.groups_filtered = 0
         self.groups_dropped_stale = 0
         self.groups_failed = 0            # groups with a sample the rollout side gave up on
+        self.samples_deferred = 0
+        self.groups_deferred = 0          # groups given up on by defer() (tail batching)
+        self.deferred: set[str] = set()   # their ids (a subset of dead)
         # examples for error messages (controller's stall report)
         self.last_failed: Sample | None = None
         self.last_filtered: list[Sample] | None = None
@@ -475,7 +481,10 @@ class GroupAssembler:
                 self.groups_failed += 1
             return
         if s.group_id in self.dead:
-            self.samples_dropped_stale += 1
+            if s.group_id in self.deferred:
+                self.samples_deferred += 1
+            else:
+                self.samples_dropped_stale += 1
             return
         if s.group_id in self.closed:
             self.samples_surplus += 1
@@ -494,6 +503,16 @@ class GroupAssembler:
                 self.last_filtered = group
             else:
                 self.ready.append(group)
+
+    def defer(self, group_id: str, version: int):
+        """Give up on a group that is not complete (not ready, not resolved): its samples so far are
+        counted as deferred, and so are any that arrive later."""
+        if group_id in self.closed or group_id in self.dead:
+            raise ValueError(f"defer: group {group_id} is already resolved")
+        self.samples_deferred += len(self.pending.pop(group_id, []))
+        self._resolve(self.dead, group_id, version)
+        self.deferred.add(group_id)
+        self.groups_deferred += 1
 
     def evict_stale(self, version: int) -> list[str]:
         """Drop pending and ready groups holding a sample that is stale at `version`; returns
@@ -518,6 +537,7 @@ class GroupAssembler:
                 del self.resolved_at[gid]
                 self.closed.discard(gid)
                 self.dead.discard(gid)
+                self.deferred.discard(gid)
         return dropped
 
     def take(self, num_groups: int, version: int) -> list[list[Sample]]:

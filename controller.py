@@ -27,6 +27,7 @@ from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask
 from config import flag, opt
 from losses import group_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
+from tail import Round, TailBatcher
 from task import Problem
 
 
@@ -47,6 +48,16 @@ class ControllerConfig:
     timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing (also: no new "
                                   "ready group for this long is a stall)")
     heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
+    tail_batching: bool = opt(False, "RollPacker's tail batching: short rounds over-sample prompts "
+                                     "(--tail-oversample) and defer every group not done within "
+                                     "async-ratio + 1 steps of its admission to a long-prompt queue; once "
+                                     "it holds a batch, a long round runs those prompts to full length "
+                                     "(tail.py)")
+    tail_oversample: float = opt(1.5, "tail batching: a short round admits this many times --batch-groups "
+                                      "prompts for its batch (plus --redundant)")
+    tail_extra_samples: int = opt(0, "tail batching, single-turn: a short round runs this many samples per "
+                                     "prompt beyond --group-size, and the first group-size to finish make "
+                                     "the group (biases groups towards their shorter answers); 0 = none")
 
     def __post_init__(self):
         for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
@@ -59,6 +70,12 @@ class ControllerConfig:
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.tail_oversample < 1 or self.tail_extra_samples < 0:
+            raise ValueError(f"--tail-oversample must be >= 1 and --tail-extra-samples >= 0, got "
+                             f"{self.tail_oversample} and {self.tail_extra_samples}")
+        if self.tail_batching and self.rollout_mode != "queue":
+            raise ValueError("--tail-batching ends a short round as soon as its batch is complete: it needs "
+                             "--rollout-mode queue")
         if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
                              f"always has all-equal rewards, so every group would be filtered and no batch "
@@ -80,6 +97,10 @@ class AsyncController:
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
         self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups, cfg.sample_order)
+        # --tail-batching: the rounds and the long-prompt queue (None: off)
+        self.tb = (TailBatcher(cfg.batch_groups, cfg.async_ratio, cfg.tail_oversample, cfg.tail_extra_samples)
+                   if cfg.tail_batching else None)
+        self.extra: set[str] = set()           # unresolved groups running more samples than group_size
         self.groups_admitted = 0
         self.groups_taken = 0
         self.groups_drawn = 0                  # problems taken from the stream (the data position)
@@ -112,14 +133,19 @@ class AsyncController:
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
+        self._long_taken = 0
+        self.taken_before_step = 0             # groups_taken when this step's collect began
 
     # --- schedule
     def _groups_lost(self) -> int:
-        return self.asm.groups_filtered + self.asm.groups_dropped_stale + self.asm.groups_failed
+        asm = self.asm
+        return asm.groups_filtered + asm.groups_dropped_stale + asm.groups_failed + asm.groups_deferred
 
     def admission_capacity(self) -> int:
-        """How many more groups may be admitted now (see module docstring)."""
+        """How many more groups may be admitted now (see module docstring; tail batching: tail.py)."""
         alive = self.groups_admitted - self._groups_lost()
+        if self.tb is not None:    # (this step's batch holds its places until the step ends, streamed or not)
+            return self.tb.target(self.cfg.redundant) - (alive - self.taken_before_step)
         # batches this controller may have out
         steps = self.version - self.version0 + self.cfg.async_ratio + 1
         return steps * self.cfg.batch_groups + self.cfg.redundant - alive
@@ -130,6 +156,8 @@ class AsyncController:
         observation is not). A prompt that cannot fit is refused, counted and logged, not retried."""
         if self.readmit:
             return self.readmit.popleft()
+        if self.tb is not None and (long := self.tb.next_problem()) is not None:
+            return long
         for _ in range(10_000):
             problem = next(self.problems)
             self.groups_drawn += 1
@@ -146,13 +174,20 @@ class AsyncController:
         raise ValueError(f"{self.buffer.who}: 10000 prompts in a row are longer than the engine's context "
                          f"({self.max_model_len} tokens); raise --max-model-len or shorten the data")
 
-    async def admit(self) -> int:
-        n = max(0, self.admission_capacity())
+    async def admit(self, at_least: int = 0) -> int:
+        """Admit as many groups as admission allows (at least `at_least`: a long round's block)."""
+        n = max(0, self.admission_capacity(), at_least)
         tasks = []
         for _ in range(n):
             problem = self._next_problem()
             gid = f"g{next(self._gid)}"
             tasks_per_group = self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
+            if self.tb is not None:
+                self.tb.admitted(gid, self.version)
+                tasks_per_group = max(tasks_per_group, self.tb.samples_per_group(self.cfg.group_size,
+                                                                                 not self.cfg.env))
+            if tasks_per_group > self.cfg.group_size:
+                self.extra.add(gid)
             if self.cfg.replicate:
                 tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
                           for j in range(tasks_per_group)]
@@ -166,21 +201,33 @@ class AsyncController:
         return n
 
     # --- run: collect one batch
-    async def collect(self) -> tuple[list, dict]:
+    async def collect(self, on_group=None) -> tuple[list, dict]:
+        """Admit and collect until B complete groups are in; returns (their samples, the step's info).
+        on_group (the streaming trainer): each group is handed to on_group(samples) as soon as it is
+        complete, in the order it completed (--sample-order oldest's), and it is part of this batch."""
         cfg, asm = self.cfg, self.asm
         t0, wall0 = now(), time.time()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
-                      failed=asm.samples_failed, surplus=asm.samples_surplus)
+                      failed=asm.samples_failed, surplus=asm.samples_surplus,
+                      deferred=self.tb.deferred if self.tb else 0,
+                      long_dropped=self.tb.long_dropped if self.tb else 0)
         self.step_rewards = []
-        await self.admit()
+        kind = self.tb.begin_step() if self.tb is not None else Round.PLAIN
+        committed: list[list] = []                     # groups already handed to on_group
+        self._long_taken = 0                           # long-round groups in this batch
+        self.taken_before_step = self.groups_taken
+        await self.admit(at_least=self.tb.long_block() if self.tb is not None else 0)
         ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
         t_beat = now()
         while True:
-            enough = asm.num_ready() >= cfg.batch_groups
+            if on_group is not None:
+                self._commit(committed, on_group)
+            n_ready = len(committed) + asm.num_ready()
+            enough = n_ready >= cfg.batch_groups
             if enough and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
                 break
-            if asm.num_ready() > ready:
-                ready, t_progress = asm.num_ready(), now()
+            if n_ready > ready:
+                ready, t_progress = n_ready, now()
             if self.log and now() - t_beat >= cfg.heartbeat_s:
                 t_beat = now()
                 self.log(self._heartbeat(before, now() - t0))
@@ -206,18 +253,18 @@ class AsyncController:
                 await self._abort_groups([s.group_id])   # lost (given up, or stale): stop its other samples
                 if s.meta.get("engine_lost") and s.group_id in self.problem_of:
                     self.readmit.append(self.problem_of[s.group_id])   # not the prompt's fault: run it again
-            elif cfg.env and cfg.env_redundancy and len(asm.closed) > closed_before:
-                await self._abort_groups([s.group_id])   # redundant env rollout: the rest is surplus
+            elif s.group_id in self.extra and len(asm.closed) > closed_before:
+                await self._abort_groups([s.group_id])   # redundant samples: the rest is surplus
             if s.group_id in asm.dead or (s.group_id in asm.closed and not asm.is_ready(s.group_id)):
-                self.problem_of.pop(s.group_id, None)    # lost or filtered: no longer a prompt in flight
+                self._forget(s.group_id)                 # lost or filtered: no longer a prompt in flight
             # lost groups free admission capacity: queue mode refills at once; batch mode only
             # starts another round once the whole round is in (its barrier)
             if cfg.rollout_mode == "queue" or self._all_admitted_done():
                 await self.admit()
-        groups = asm.take(cfg.batch_groups, self.version)
-        self.groups_taken += len(groups)
+        groups = asm.take(cfg.batch_groups - len(committed), self.version)
         for g in groups:
-            self.problem_of.pop(g[0].group_id, None)
+            self._taken(g)
+        groups = committed + groups
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
@@ -226,6 +273,8 @@ class AsyncController:
         horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER
         self.trained_groups = {g: v for g, v in self.trained_groups.items() if v >= horizon}
         self.trained_groups.update((g[0].group_id, self.version) for g in groups)
+        if self.tb is not None:
+            await self._give_up_overdue()
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
             "time_wait_rollout": now() - t0,
@@ -241,8 +290,44 @@ class AsyncController:
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
             "turns_mean": sum(s.num_turns for s in batch) / len(batch),     # model turns per sample
         }
+        if self.tb is not None:
+            info.update(round=str(kind), prompts_deferred=self.tb.deferred - before["deferred"],
+                        long_queue=len(self.tb.long_queue), groups_long_trained=self._long_taken,
+                        prompts_long_dropped=self.tb.long_dropped - before["long_dropped"])
         self._collect_span = [wall0, time.time()]
         return batch, info
+
+    def _commit(self, committed: list, on_group):
+        """Streaming: hand the ready groups to the trainer at once, up to the batch."""
+        for g in self.asm.take(self.cfg.batch_groups - len(committed), self.version):
+            committed.append(g)
+            self._taken(g)
+            on_group(g)
+
+    def _taken(self, g: list):
+        """A group joins the batch."""
+        self.groups_taken += 1
+        self._long_taken += self.tb is not None and g[0].group_id in self.tb.long
+        self._forget(g[0].group_id)
+
+    def _forget(self, gid: str):
+        """A group was trained or lost: no longer a prompt in flight."""
+        self.problem_of.pop(gid, None)
+        self.extra.discard(gid)
+        if self.tb is not None:
+            self.tb.resolved(gid)
+
+    async def _give_up_overdue(self):
+        """Tail batching, at the end of a step: abort the groups that had their alpha + 1 versions and are
+        not complete; a short round's prompts go to the long queue, a long round's are dropped."""
+        ready = {g[0].group_id for g in self.asm.ready}
+        overdue = self.tb.overdue(self.version, [g for g in self.problem_of if g not in ready])
+        for gid in overdue:
+            self.asm.defer(gid, self.version)
+            self.tb.give_up(gid, self.problem_of.pop(gid, None))
+            self.extra.discard(gid)
+        if overdue:
+            await self._abort_groups(overdue)
 
     def _heartbeat(self, before: dict, elapsed: float) -> str:
         asm = self.asm
@@ -254,8 +339,14 @@ class AsyncController:
 
     def in_flight_problems(self) -> list[Problem]:
         """Prompts admitted and not yet trained or lost, oldest first: a checkpoint keeps them, so
-        a resumed run admits them again instead of skipping them."""
-        return list(self.readmit) + list(self.problem_of.values())
+        a resumed run admits them again instead of skipping them. (Tail batching: a long round's are
+        kept with the long queue, long_queue_problems.)"""
+        long = self.tb.long if self.tb is not None else ()
+        return list(self.readmit) + [p for g, p in self.problem_of.items() if g not in long]
+
+    def long_queue_problems(self) -> list[Problem]:
+        """Tail batching, for a checkpoint: the long round's prompts in flight, then the long queue."""
+        return self.tb.pending_long(self.problem_of) if self.tb is not None else []
 
     def _stall_report(self, before: dict) -> str:
         """Why no batch could form: what happened to the samples of this step, with an example."""
@@ -310,7 +401,7 @@ class AsyncController:
         # groups that can no longer be fresh: drop them here and stop their running samples
         dropped = self.asm.evict_stale(self.version)
         for gid in dropped:
-            self.problem_of.pop(gid, None)
+            self._forget(gid)
         if dropped:
             await self._abort_groups(dropped)
         return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
@@ -388,10 +479,20 @@ class AsyncController:
         acks = await self._wait_acks(Phase.SYNCED, version)
         self.in_flight = None
         return {"synced_version": version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
-                "rollout_utilisation": self._utilisation(acks),
+                **self._rank_deltas(acks), "rollout_utilisation": self._utilisation(acks),
                 "time_receive": max(a.timings["receive_s"] for a in acks),
                 "time_engine_load": max(a.timings["load_s"] for a in acks),
                 "time_vllm_load": max(a.timings.get("vllm_load_s", 0.0) for a in acks)}
+
+    def _rank_deltas(self, acks: list[Ack]) -> dict:
+        """Since each rank's previous SYNCED ack, over all ranks: tokens its engine generated, the model
+        tokens of trajectories it aborted (and their share), its verifier calls cut by the timeout."""
+        d = {}
+        for key in ("tokens", "tokens_aborted", "reward_timeouts"):
+            d[key] = sum(a.engine.get(key, 0) - self.last_engine.get(a.rank, {}).get(key, 0) for a in acks)
+        return {"tokens_generated": d["tokens"], "tokens_aborted": d["tokens_aborted"],
+                "aborted_token_share": d["tokens_aborted"] / d["tokens"] if d["tokens"] else 0.0,
+                "reward_timeouts": d["reward_timeouts"]}
 
     def _utilisation(self, acks: list[Ack]) -> float:
         """Engine busy time / wall time since each rank's previous SYNCED ack, over all ranks."""
@@ -491,10 +592,15 @@ class AsyncController:
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""
         asm = self.asm
-        return {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
-                "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
-                "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
-                "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed}
+        out = {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
+               "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
+               "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
+               "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed}
+        if self.tb is not None:
+            out.update(prompts_deferred=self.tb.deferred, prompts_long_dropped=self.tb.long_dropped,
+                       groups_deferred=asm.groups_deferred, samples_deferred=asm.samples_deferred,
+                       long_queue=len(self.tb.long_queue))
+        return out
 
     async def stop(self) -> list[dict]:
         """Tell every rollout rank to stop, and wait until each has; returns their counters."""
@@ -510,6 +616,8 @@ class AsyncController:
 
 def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:
     """Largest |engine - trainer| logprob over the probe tokens and ranks; None if not probed."""
+    if probe_ref is None:            # (--check-sync-every 0: the engines' READY probe has nothing to meet)
+        return None
     diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
     return max(diffs) if probe_ref is not None and diffs else None
 
@@ -538,16 +646,26 @@ class Step(NamedTuple):
     train_s: float       # seconds in train (event-loop time)
 
 
-async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None) -> Step:
+async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None, stream=None) -> Step:
     """One step of the loop every runner shares (train.py, the simulator, the benchmarks, the study):
     collect B fresh groups -> group advantages -> train -> sync the new weights into the engines.
     train: async (batch, advantages, version) -> (metrics, probe_ref or None); send_fn, meta, group:
-    as sync_weights'."""
-    batch, info = await ctrl.collect()                                            # schedule + run
-    advantages = group_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size).tolist()
-    t = now()                                                                     # loop time (sim: virtual)
-    metrics, probe_ref = await train(batch, advantages, ctrl.version)
-    train_s = now() - t
+    as sync_weights'. stream: a stream.TrainStream (the streaming trainer), which trains each group as
+    it completes, in place of `train`; then train_s is what is left once the batch is complete.
+    metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
+    if stream is not None:
+        stream.begin(ctrl.version)
+        batch, info = await ctrl.collect(on_group=stream.add)                    # trains as groups come
+        t = now()
+        metrics, probe_ref = await stream.finish()
+        train_s = now() - t
+    else:
+        batch, info = await ctrl.collect()                                        # schedule + run
+        advantages = group_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size).tolist()
+        t = now()                                                                 # loop time (sim: virtual)
+        metrics, probe_ref = await train(batch, advantages, ctrl.version)
+        train_s = now() - t
+        metrics = {**metrics, "time_trainer_busy": train_s}
     sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, meta, probe_ref, group)   # postprocess
     return Step(batch, info, metrics, sync, train_s)
 

@@ -21,7 +21,6 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 """
 
 import asyncio
-import bisect
 import collections
 import hashlib
 import math
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 
 from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
 from config import flag, opt
+from deadline import MIN_SAMPLES, WINDOW, EnvDeadline  # noqa: F401 (tests import them from here)
 from envs import ENVS, PromptFormat
 from proxy import EngineError, Sampling, Status, now
 from task import RewardPool, load_reward
@@ -65,7 +65,14 @@ class RolloutConfig:
                           "task's")
     reward_workers: int = opt(-1, "verifier processes per rollout rank; 0 = on its event loop; -1 = 0 for "
                                   "the embedded addition check, else 1")
-    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is replaced)")
+    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is "
+                                        "replaced); with --reward-timeout-factor > 0: the adaptive timeout's "
+                                        "ceiling")
+    reward_timeout_factor: float = opt(0.0, "adaptive verifier timeout (RollPacker): a call gets min(max("
+                                            "--reward-timeout-min-s, this x the slowest correct answer so "
+                                            "far), --reward-timeout-s), then scores 0; 0 = off (needs "
+                                            "--reward-workers >= 1)")
+    reward_timeout_min_s: float = opt(1.0, "adaptive verifier timeout: never under this, seconds")
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
                              "float16")
     kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
@@ -99,6 +106,10 @@ class RolloutConfig:
             raise bad("env_timeout_quantile", "in (0, 1]")
         if self.env_timeout_factor < 0:
             raise bad("env_timeout_factor", ">= 0 (0 = a fixed env_step_timeout_s)")
+        if self.reward_timeout_factor < 0:
+            raise bad("reward_timeout_factor", ">= 0 (0 = a fixed reward_timeout_s)")
+        if self.reward_timeout_min_s <= 0:
+            raise bad("reward_timeout_min_s", "> 0")
         if not 0 <= self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in [0, 1] (0 = auto)")
         if self.suspend_mode not in ("keep", "abort"):
@@ -143,57 +154,6 @@ class EnvFailure(Exception):
 class Aborted(Exception):
     """The engine request was aborted by someone else (the manager's own aborts cancel the task
     first): the trajectory ends quietly, no sample."""
-
-
-# Completed calls of a kind an EnvDeadline needs before it adapts; until then every call of that
-# kind gets the ceiling. The 0.99-quantile of fewer than 100 calls is just their max, and the first
-# calls to complete are the fastest of those that started together (the slow ones still run): with
-# 20, the sim's envasync (latency normal(10, 10) s) cut steps at 29 s that 1 call in 44 outlasts.
-MIN_SAMPLES = 100
-WINDOW = 256            # the latest calls of a kind it remembers: the deadline follows a drift
-
-
-class EnvDeadline:
-    """How long the next env call may take, seconds: clamp(quantile(latencies) * factor, floor_s,
-    ceiling_s) over the last WINDOW calls of its kind (reset or step: an env's reset is often
-    instant and its step a tool or the verifier, so each kind has its own); ceiling_s before
-    MIN_SAMPLES of them, or always when factor is 0 (the fixed timeout). One per EnvManager, shared
-    by its trajectories: a slow tail is cut at a few times what such calls take now, not at a fixed
-    worst case, so a stuck call fails (and is retried) soon.
-    A timed-out call is recorded as taking its limit (censored: it took at least that). As long as
-    fewer than 1 - quantile of the calls time out, that never moves the quantile: hung calls do not
-    ratchet the deadline up. When more do, the deadline evidently cuts a kind of call that is slow,
-    not stuck (a slow verifier among instant steps, an env that got slower): it grows by `factor`
-    a round, up to the ceiling. Without this it could cut such calls forever (none of them would
-    ever complete and be recorded), and so the deadline never cuts more than ~1 - quantile of calls."""
-
-    KINDS = ("reset", "step")
-
-    def __init__(self, ceiling_s: float, quantile: float = 1.0, factor: float = 0.0, floor_s: float = 0.0,
-                 reward_s: float = 0.0):
-        self.ceiling_s, self.quantile, self.factor = ceiling_s, quantile, factor
-        # a step awaits the verifier, which has a timeout of its own (reward_s: it then scores 0 and
-        # replaces its worker): never cut a step before that answer can arrive (1.5x: some room for it)
-        self.floor_s = {"reset": floor_s, "step": max(floor_s, 1.5 * reward_s)}
-        self.latencies = {k: collections.deque(maxlen=WINDOW) for k in self.KINDS}   # seconds, in order
-        self.ranked = {k: [] for k in self.KINDS}     # the same latencies, sorted (for the quantile)
-        self.current_s = {k: ceiling_s for k in self.KINDS}   # the deadline now, recomputed per record
-
-    @classmethod
-    def of(cls, cfg: RolloutConfig) -> "EnvDeadline":
-        return cls(cfg.env_step_timeout_s, cfg.env_timeout_quantile, cfg.env_timeout_factor,
-                   cfg.env_timeout_floor_s, cfg.reward_timeout_s)
-
-    def record(self, kind: str, latency_s: float):
-        """A call of `kind` ended after latency_s seconds: it completed, or timed out at that limit."""
-        xs, ranked = self.latencies[kind], self.ranked[kind]
-        if len(xs) == WINDOW:                 # the oldest leaves the window (kept sorted: no sort per call)
-            del ranked[bisect.bisect_left(ranked, xs[0])]
-        xs.append(latency_s)
-        bisect.insort(ranked, latency_s)
-        if self.factor > 0 and len(xs) >= MIN_SAMPLES:
-            q = ranked[max(0, math.ceil(self.quantile * len(xs)) - 1)]          # nearest-rank quantile
-            self.current_s[kind] = min(self.ceiling_s, max(self.floor_s[kind], q * self.factor))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,8 +261,15 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         traj.request_id = None
         if c.finish_reason == "abort":
             raise Aborted(f"rollout rank {proxy.rank}: task {task.task_id} turn {turn} aborted")
-        traj.add(c.token_ids, c.logprobs, c.versions)
-        text = fmt.decode(c.token_ids)     # EOS: trained on, not shown to the env
+        ids = c.token_ids
+        if task.problem.target_len > 0:    # benchmark: the answer ends at its first EOS; what follows is
+            end = next((k + 1 for k, t in enumerate(ids) if t in fmt.eos_ids), len(ids))   # length only
+            traj.add(ids[:end], c.logprobs[:end], c.versions[:end])
+            traj.add(ids[end:])            # generated and trained through, out of the loss
+            ids = ids[:end]
+        else:
+            traj.add(ids, c.logprobs, c.versions)
+        text = fmt.decode(ids)             # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
         traj.reward += r
         traj.num_turns += 1
@@ -355,7 +322,8 @@ class EnvManager:
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
         self.recovering = False                 # _recover is replacing the engine (the loop starts no task)
         self.deadline = EnvDeadline.of(cfg)      # every env call's, adapting to their latencies
-        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s)
+        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s,
+                                cfg.reward_timeout_factor, cfg.reward_timeout_min_s)
                      if cfg.reward_workers > 0 else None)
         self.reward_fn = (self.pool.score if self.pool
                           else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
@@ -369,12 +337,20 @@ class EnvManager:
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
                              aborted_stale=0, aborted_by_request=0, aborted_at_stop=0, env_timeouts=0,
-                             engine_restarts=0, samples_lost_to_engine=0)
+                             engine_restarts=0, samples_lost_to_engine=0, tokens_aborted=0)
 
     def stats(self) -> dict:
         return {**self.counters, "in_flight": self.slots_used,
                 "env_deadline_s": dict(self.deadline.current_s),    # {"reset": s, "step": s}, seconds
-                "proxy": self.proxy.stats()}
+                **self.reward_stats(), "proxy": self.proxy.stats()}
+
+    def reward_stats(self) -> dict:
+        """The verifier pool's timeouts (calls that scored 0 for it) and its deadline now; the tokens
+        this rank generated and threw away by aborts (model tokens: trajectories aborted as stale, on
+        request, at stop)."""
+        return {"reward_timeouts": self.pool.timeouts if self.pool else 0,
+                "reward_deadline_s": self.pool.deadline.current_s if self.pool else None,
+                "tokens_aborted": self.counters["tokens_aborted"]}
 
     # --- control loop
 
@@ -517,7 +493,8 @@ class EnvManager:
                                probe=probe)
 
     async def _ack_synced(self, version: int, timings: dict, **fields):
-        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, version, engine=self.proxy.stats(),
+        await self.buffer.put_ack(Ack(self.rank, Phase.SYNCED, version,
+                                      engine={**self.proxy.stats(), **self.reward_stats()},
                                       timings=timings, events=self.proxy.take_events(), **fields))
 
     async def _pull_tasks(self):
@@ -633,8 +610,11 @@ class EnvManager:
         jobs = [self.jobs[tid] for tid in task_ids if tid in self.jobs]
         if not jobs:
             return
-        rids = [tr.request_id for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values()
-                if tr.request_id]
+        trajs = [tr for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values()]
+        rids = [tr.request_id for tr in trajs if tr.request_id]
+        # thrown away: the model tokens of their finished turns and of the turn in flight
+        self.counters["tokens_aborted"] += sum(sum(tr.loss_mask) for tr in trajs) + sum(
+            self.proxy.tokens_so_far(rid) for rid in rids)
         for t, job in jobs:
             job.cancel()           # request before any await: the job cannot send a sample after this
             if counter:

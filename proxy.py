@@ -342,6 +342,7 @@ class LLMProxy:
         self._resumed.set()
         self._ids = itertools.count()
         self._engine_ids: dict[str, str] = {}   # caller's request id -> current engine request id
+        self._live: dict[str, Completion] = {}    # caller's request id -> its completion so far
         self._user_aborted: set[str] = set()
         self._consumers: set[asyncio.Task] = set()    # tasks inside generate(), for the watchdog
         self._watchdog_task: asyncio.Task | None = None
@@ -441,6 +442,7 @@ class LLMProxy:
             self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
         me = asyncio.current_task()
         self._consumers.add(me)
+        self._live[rid] = c
         self.num_in_flight += 1
         self._account()
         try:
@@ -466,6 +468,7 @@ class LLMProxy:
         finally:
             self._consumers.discard(me)
             self._engine_ids.pop(rid, None)
+            self._live.pop(rid, None)
             self._user_aborted.discard(rid)
             self.num_in_flight -= 1
             self.num_completed += 1
@@ -544,6 +547,11 @@ class LLMProxy:
                 for t in list(self._consumers):
                     t.cancel()
                 return
+
+    def tokens_so_far(self, request_id: str) -> int:
+        """Tokens a request in flight has received so far (0 when it is not in flight)."""
+        c = self._live.get(request_id)
+        return len(c.token_ids) if c is not None else 0
 
     async def abort(self, request_ids: Iterable[str]):
         """End these requests; their generate() returns what was generated with finish_reason "abort"."""

@@ -137,7 +137,8 @@ def scalars(row: dict) -> dict:
 
 
 SUMMED = ("time_wait_rollout", "time_train", "time_weight_sync", "samples_dropped_stale", "groups_filtered",
-          "samples_failed")      # the row keys the summary adds up
+          "samples_failed", "prompts_deferred", "tokens_aborted", "tokens_generated", "time_trainer_busy",
+          "time_step")      # the row keys the summary adds up
 
 
 class RunLog:
@@ -197,6 +198,7 @@ class RunLog:
             self.first.append(row)
         self.recent.append(row)
         self.totals.update({k: row.get(k) or 0 for k in SUMMED})
+        self.totals["long_rounds"] += row.get("round") == "long"
         for k, v in row.items():
             if k.startswith("eval_") and v is not None:
                 self.evals[k] = [self.evals.get(k, [(step, v)])[0], (step, v)]
@@ -224,7 +226,10 @@ class RunLog:
                 f"filtered {r['groups_filtered']} | "
                 f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
-                f"{r.get('rollout_utilisation', 0.0):.2f} | eta {fmt_s(self.eta(r['step']))}"
+                f"{r.get('rollout_utilisation', 0.0):.2f}"
+                + (f" | {r['round']} round, {r['prompts_deferred']} deferred, long queue {r['long_queue']}"
+                   if "round" in r else "")
+                + f" | eta {fmt_s(self.eta(r['step']))}"
                 + "".join(f" | {k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in r.items()
                           if k.startswith("eval_") and k != "eval_version" and v is not None))
 
@@ -268,7 +273,16 @@ class RunLog:
             "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
             + f"  (of {fmt_s(after)} after start-up)",
             f"  samples    {tot['samples_dropped_stale']} dropped as stale, "
-            f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed",
+            f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed"]
+        tail = any("round" in r for r in self.first)
+        if tail or getattr(getattr(self.cfg, "train", None), "stream_trainer", False):   # (their own line)
+            busy = tot["time_trainer_busy"] / max(tot["time_step"], 1e-9)
+            aborted = tot["tokens_aborted"] / max(tot["tokens_generated"], 1)
+            lines.append(
+                f"  trainer    busy {busy:.0%} of the step time"
+                + (f"; tail batching: {tot['prompts_deferred']} prompts deferred, {tot['long_rounds']} long "
+                   f"rounds, {aborted:.1%} of generated tokens aborted" if tail else ""))
+        lines += [
             f"  files      {self.path}" + (f", {self.events.path}" if self.events is not None else "")
             + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
             + f"; checkpoint {self.out / 'checkpoint'}",

@@ -19,14 +19,17 @@ Design notes: DESIGN.md#taskpy
 """
 
 import asyncio
+import functools
 import importlib
 import json
+import math
 import multiprocessing
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from config import opt
+from deadline import RewardDeadline
 
 
 @dataclass
@@ -138,10 +141,19 @@ class DataConfig:
                              "generated problems from a seed training never uses")
     eval_prompts: int = opt(64, "held-out prompts per evaluation")
     eval_k: int = opt(4, "samples per held-out prompt at temperature 1 (mean@k)")
+    response_len_median: float = opt(0.0, "a long-tail length workload (benchmarks): each training prompt "
+                                          "asks for exactly lognormal(this, --response-len-sigma) response "
+                                          "tokens, drawn once per prompt (EOS ignored: the answer is scored "
+                                          "up to its first EOS, the tokens after it are generated and "
+                                          "trained through but out of the loss); 0 = off")
+    response_len_sigma: float = opt(1.0, "--response-len-median's lognormal sigma")
 
     def __post_init__(self):
         if self.data and self.task:
             raise ValueError("--data and --task: pick one source of problems")
+        if self.response_len_median < 0 or self.response_len_sigma < 0:
+            raise ValueError(f"--response-len-median and --response-len-sigma must be >= 0, got "
+                             f"{self.response_len_median}, {self.response_len_sigma}")
         if self.eval_prompts < 1 or self.eval_k < 1:
             raise ValueError(f"--eval-prompts and --eval-k must be >= 1, got {self.eval_prompts}, "
                              f"{self.eval_k}")
@@ -152,6 +164,10 @@ class DataConfig:
         training); else generated ones from a seed training never uses."""
         problems = load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None
         make = reasoning_gym_maker(self.task, seed) if self.task else make_problem
+        if self.response_len_median > 0:     # the budget is the prompt's: a deferred prompt keeps its length
+            rng = random.Random(seed + 7)
+            problems = problems and [replace(p, target_len=self.response_len(rng)) for p in problems]
+            make = functools.partial(self._with_length, make)
         n, held_out = self.eval_prompts, []
         if not evaluate:
             return problems, make, held_out
@@ -168,6 +184,12 @@ class DataConfig:
         else:
             held_out = make_problems(n, seed=seed + 1_000_003)
         return problems, make, held_out
+
+    def response_len(self, rng: random.Random) -> int:
+        return max(1, round(rng.lognormvariate(math.log(self.response_len_median), self.response_len_sigma)))
+
+    def _with_length(self, make, rng: random.Random) -> Problem:
+        return replace(make(rng), target_len=self.response_len(rng))
 
 
 # procedural tasks: reasoning-gym
@@ -233,8 +255,10 @@ def _reward_worker(conn, spec: str):
 
 class RewardPool:
     """`workers` verifier processes. score() sends one call to an idle worker and waits at most
-    timeout_s: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
-    (counted in `timeouts`): a pathological input cannot hang the rank. Workers are spawned (not
+    its deadline: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
+    (counted in `timeouts`): a pathological input cannot hang the rank. The deadline is timeout_s, or
+    with timeout_factor > 0 the adaptive one (deadline.RewardDeadline: min(max(timeout_min_s,
+    timeout_factor x the slowest correct answer so far), timeout_s)). Workers are spawned (not
     forked: the rollout rank has threads) and end with the pool, or with this process.
 
     A worker is idle only when no answer of it is in flight. Every call carries an id that the
@@ -246,10 +270,12 @@ class RewardPool:
     goes on when the default thread pool is busy. Nothing here blocks the loop: a killed worker
     is reaped by multiprocessing when the next one starts, or at shutdown."""
 
-    def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0):
+    def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0, timeout_factor: float = 0.0,
+                 timeout_min_s: float = 0.0):
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"RewardPool: need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.spec, self.timeout_s = spec, timeout_s
+        self.deadline = RewardDeadline(timeout_s, timeout_factor, timeout_min_s)
         self.ctx = multiprocessing.get_context("spawn")
         self.idle: asyncio.Queue | None = None      # made on first use, on the caller's event loop
         self.workers = workers
@@ -305,7 +331,8 @@ class RewardPool:
                 self.idle.put_nowait(self._start())
         worker = await self.idle.get()
         self.next_id += 1
-        call_id, deadline = self.next_id, asyncio.get_running_loop().time() + self.timeout_s
+        t0 = asyncio.get_running_loop().time()
+        call_id, deadline = self.next_id, t0 + self.deadline.current_s
         try:
             worker[1].send((call_id, problem, response))
             out = await self._answer(worker[1], call_id, deadline)
@@ -322,6 +349,7 @@ class RewardPool:
         if isinstance(out, Exception):
             self.errors += 1
             return 0.0
+        self.deadline.record(asyncio.get_running_loop().time() - t0, out)
         return out
 
     def shutdown(self):

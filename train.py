@@ -38,6 +38,7 @@ from envs import FaultConfig, PromptFormat
 from lora import LoraConfig, check_lora
 from proxy import LLMProxy, Sampling, VLLMEngine, cpu_layout, engine_gpu
 from runlog import RunLog, check_tracker, eval_line, print0, probe_verdict, trim_metrics
+from stream import TrainStream
 from task import DataConfig, Problem, load_dataset
 from timeline import RankEvents
 from trainer import PROBE_TEXT, TrainConfig, Trainer, TrainerRanks, check_model_dir, check_run_dir, collective
@@ -144,12 +145,19 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
             await ctrl.sleep_engines()                 # their GPUs' memory, for training
         return ranks.train(batch, advantages, version, probe=probe_due(version + 1))
 
+    # --stream-trainer: each complete group is trained on as it arrives (stream.py), unless it cannot apply
+    fallback = cfg.train.stream_fallback(cfg.colocate)
+    if fallback:
+        print0(f"train.py: {fallback}")
+    stream = (TrainStream(cfg.controller.group_size, RanksStream(ranks, probe_due), cfg.controller.timeout_s)
+              if cfg.train.stream_trainer and not fallback else None)
+
     await log.starting(ctrl.wait_ready(ranks.probe() if probe_due(0) else None))   # engines up and warmed up
     t_train = time.monotonic()
     data_pos = state["data_position"] if state else 0
     for step in range(state["step"] if state else 0, cfg.steps):
         t0 = time.monotonic()
-        s = await rl_step(ctrl, train, send, meta, group)                # collect, train, sync
+        s = await rl_step(ctrl, train, send, meta, group, stream)        # collect, train, sync
         evaluation = ctrl.eval_result()                                   # a round that finished meanwhile
         final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
         if held_out and final:                                            # the final weights, always
@@ -165,7 +173,8 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
             # data position: problems drawn so far; those admitted but not yet trained are kept apart
             ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
                         "data_position": data_pos + ctrl.groups_drawn,
-                        "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()]})
+                        "in_flight": [dataclasses.asdict(p) for p in ctrl.in_flight_problems()],
+                        "long_queue": [dataclasses.asdict(p) for p in ctrl.long_queue_problems()]})
         if final:
             break                                                         # (--time-limit-min: early)
     last = await ctrl.finish_sync()                                        # the last sync's acks
@@ -177,6 +186,23 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
     diff = last.get("sync_probe_max_diff")
     log.finish(f"last sync (version {last['synced_version']}): {probe_verdict(diff, cfg)}"
                if diff is not None else "")
+
+
+class RanksStream:
+    """stream.TrainStream's backend: the trainer ranks' streaming ops, from a worker thread (rank 0's event
+    loop goes on collecting meanwhile)."""
+
+    def __init__(self, ranks: TrainerRanks, probe_due):
+        self.ranks, self.probe_due = ranks, probe_due
+
+    async def begin(self, version: int):
+        await asyncio.to_thread(self.ranks.stream_begin, version)
+
+    async def add(self, samples, advantages):
+        await asyncio.to_thread(self.ranks.stream_add, samples, advantages)
+
+    async def step(self, version: int):
+        return await asyncio.to_thread(self.ranks.stream_step, self.probe_due(version + 1))
 
 
 def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
@@ -217,6 +243,11 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
                            max_model_len=cfg.rollout.max_model_len, log=print0)
     if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
         ctrl.readmit.extend(Problem(**p) for p in state.get("in_flight", []))
+        long_queue = [Problem(**p) for p in state.get("long_queue", [])]
+        if ctrl.tb is not None:                         # --tail-batching: its long-prompt queue, as it was
+            ctrl.tb.long_queue.extend(long_queue)
+        else:                                           # (resumed without it: they are prompts in flight)
+            ctrl.readmit.extend(long_queue)
     log = RunLog(cfg, state["step"] if state else 0)
     ctrl.events = log.events                  # the timeline: steps, sync phases, the ranks' requests
     meta = weight_meta(trainer.named_weights(), cfg.rollout.dtype)

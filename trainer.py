@@ -41,6 +41,7 @@ import shard
 from config import flag, opt
 # (collate, token_logprobs: imported from here by tests and tools too)
 from microbatch import EMPTY, collate, pack_by_tokens, split, token_logprobs
+from stream import Dealer, GradStream
 
 
 @dataclass
@@ -71,6 +72,12 @@ class TrainConfig(losses.LossConfig):
     logits_chunk: int = opt(1024, "positions per LM-head chunk in the log-prob forward: its [chunk, vocab] "
                                   "float32 logits are the largest tensor there")
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
+    stream_trainer: bool = opt(False, "the streaming trainer (stream.py): forward/backward on micro-batches "
+                                      "of complete groups as they arrive, gradients accumulated, one "
+                                      "optimizer step once the batch is complete (exact: the weights do not "
+                                      "move before it). Falls back to whole batches, saying so, with "
+                                      "--mini-batches > 1 or --ppo-epochs > 1 (each step needs the whole "
+                                      "batch) and with --colocate (the engines' GPUs train)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,6 +95,15 @@ class TrainConfig(losses.LossConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+
+    def stream_fallback(self, colocate: bool = False) -> str:
+        """Why --stream-trainer cannot apply ('' when it can, or when it is off)."""
+        if not self.stream_trainer:
+            return ""
+        why = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in ("mini_batches", "ppo_epochs")
+               if getattr(self, n) > 1] + (["--colocate"] if colocate else [])
+        return (f"--stream-trainer with {' and '.join(why)}: training whole batches (several optimizer steps "
+                f"per batch, or the engines' GPUs, need the whole batch first)") if why else ""
 
     def resolved(self, device: str) -> "TrainConfig":
         """The settings that default to the device's: bf16 and activation checkpointing on GPU, not on CPU
@@ -158,17 +174,9 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         plan = self._plan(samples, advantages, version)     # [mini-batch][micro-batch] -> tensors
-        pre = cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none"
-        with torch.no_grad():
-            for micro in (t for mini in plan for t in mini):
-                if pre:
-                    micro["pre"] = self.logprobs(micro)
-                if cfg.kl_coef > 0:
-                    micro["ref"] = self.ref_logprobs(micro)
-        lr = cfg.lr * min(1.0, (self.num_steps + 1) / max(cfg.warmup_steps, 1))
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        kw = cfg.loss_kwargs()
+        for micro in (t for mini in plan for t in mini):
+            self.prepare(micro)
+        lr = self.set_lr()
         gap = {"all": [0.0, 0.0], "on_policy": [0.0, 0.0]}    # sum |logp_engine - logp_trainer|, tokens
         self.update_metrics = []
         for epoch in range(cfg.ppo_epochs):
@@ -176,28 +184,61 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {"loss": 0.0}
                 for t in mini:
-                    entropy = []
-                    logp = self.logprobs(t, entropy)                                      # [B, T], with grad
-                    if epoch == 0 and (j == 0 or "pre" in t):   # trainer logprobs before any update: the gap
-                        add_gap(gap, t, t.get("pre", logp.detach()))
-                    loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
-                                                         prox_logp=t.get("pre"),
-                                                         ref_prox=cfg.recompute_old_logprobs, **kw)
-                    if cfg.kl_coef > 0:
-                        kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.loss_agg)
-                        loss = loss + cfg.kl_coef * kl
-                        m.update(kl_m)
-                    m["entropy"] = (entropy[0].sum() / max(len(entropy[0]), 1)).item()   # over the mask
                     # weights: the step's loss is the mini-batch's token-mean
-                    (loss * t["weight"]).backward()
-                    for k, v in {"loss": loss.item(), **m}.items():
-                        sums[k] = sums.get(k, 0.0) + v * t["weight"]
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-                self.opt.step()
-                self.update_metrics.append({**sums, "grad_norm": float(grad_norm)})
+                    self.forward_backward(t, t["weight"], sums, gap if epoch == 0 and (j == 0 or "pre" in t)
+                                          else None)
+                self.update_metrics.append({**sums, "grad_norm": self.clip_and_step()})
         self.num_steps += 1
+        return self.step_metrics(lr, gap)
+
+    # --- the pieces of a step (train_step; stream.GradStream, the streaming trainer, uses them too)
+    def set_lr(self) -> float:
+        """The step's learning rate (linear warm-up over the batches trained so far), set; returned."""
+        lr = self.cfg.lr * min(1.0, (self.num_steps + 1) / max(self.cfg.warmup_steps, 1))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return lr
+
+    @torch.no_grad()
+    def prepare(self, t: dict):
+        """What micro-batch t needs from the weights before any update: the trainer's own logprobs
+        (`pre`) when the loss needs them, --kl-coef's reference logprobs."""
+        cfg = self.cfg
+        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none":
+            t["pre"] = self.logprobs(t)
+        if cfg.kl_coef > 0:
+            t["ref"] = self.ref_logprobs(t)
+
+    def forward_backward(self, t: dict, weight: float, sums: dict, gap: dict | None = None):
+        """One micro-batch: the loss's gradient times `weight` accumulated into .grad; its metrics times
+        `weight` added to `sums`; with `gap`, the engine/trainer logprob gap before any update."""
+        cfg = self.cfg
+        entropy = []
+        logp = self.logprobs(t, entropy)                                      # [B, T], with grad
+        if gap is not None:                                   # trainer logprobs before any update: the gap
+            add_gap(gap, t, t.get("pre", logp.detach()))
+        loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
+                                             prox_logp=t.get("pre"), ref_prox=cfg.recompute_old_logprobs,
+                                             **cfg.loss_kwargs())
+        if cfg.kl_coef > 0:
+            kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.loss_agg)
+            loss = loss + cfg.kl_coef * kl
+            m.update(kl_m)
+        m["entropy"] = (entropy[0].sum() / max(len(entropy[0]), 1)).item()   # over the mask
+        (loss * weight).backward()
+        for k, v in {"loss": loss.item(), **m}.items():
+            sums[k] = sums.get(k, 0.0) + v * weight
+
+    def clip_and_step(self) -> float:
+        """Clip the accumulated gradient's global norm, take the optimizer step; returns the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.opt.step()
+        return float(grad_norm)
+
+    def step_metrics(self, lr: float, gap: dict) -> dict:
+        """A step's metrics: its updates' mean, the learning rate, memory, the logprob gap."""
         out = {k: sum(u[k] for u in self.update_metrics) / len(self.update_metrics)
                for k in self.update_metrics[0]}
         out.update(lr=lr, num_updates=len(self.update_metrics), **self.memory())
@@ -261,13 +302,8 @@ class Trainer:
             tokens = sum(sum(samples[i].loss_mask) for i in mini)
             micros = []
             for part in mini_parts:
+                t = self.micro([samples[i] for i in part], [advantages[i] for i in part], version)
                 batch = [samples[i] for i in part] or [EMPTY]
-                t = collate(batch, self.device)
-                t["adv"] = torch.tensor([advantages[i] for i in part] or [0.0], dtype=torch.float32,
-                                        device=self.device)
-                t["on_policy"] = torch.tensor([version is not None and bool(s.versions) and
-                                               all(v == version for v in s.versions) for s in batch],
-                                              device=self.device)
                 if not part:
                     t["weight"] = 0.0
                 elif cfg.loss_agg == "token-mean":
@@ -277,6 +313,16 @@ class Trainer:
                 micros.append(t)
             plan.append(micros)
         return plan
+
+    def micro(self, samples, advantages: list[float], version) -> dict:
+        """A micro-batch's tensors (no samples: one EMPTY row, the FSDP padding), without its weight."""
+        batch = samples or [EMPTY]
+        t = collate(batch, self.device)
+        t["adv"] = torch.tensor(list(advantages) or [0.0], dtype=torch.float32, device=self.device)
+        t["on_policy"] = torch.tensor([version is not None and bool(s.versions)
+                                       and all(v == version for v in s.versions) for s in batch],
+                                      device=self.device)
+        return t
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -466,9 +512,9 @@ def collective(phase: str, fn, *args, **kwargs):
 
 
 class TrainerRanks:
-    """The trainer ranks in lockstep. Rank 0 decides each op ("train", "send", "probe", "save", "stop")
-    and broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives need
-    all of them. Ranks > 0 just follow().
+    """The trainer ranks in lockstep. Rank 0 decides each op ("train", "stream_*", "send", "probe", "save",
+    "stop") and broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives
+    need all of them. Ranks > 0 just follow().
 
     Between two ops a follower waits as long as rank 0 collects a batch or evaluates, which may outlast
     --timeout-s, the group's timeout. So a follower does not wait in the op's broadcast: rank 0 first
@@ -506,6 +552,23 @@ class TrainerRanks:
 
     def save(self, state: dict):
         self._run({"op": "save", "state": state})
+
+    # the streaming trainer (stream.py): rank 0 deals micro-batches; each is one op on every rank
+    def stream_begin(self, version: int):
+        cfg = self.trainer.cfg
+        self.dealer = Dealer(self.num_ranks, cfg.micro_batch, cfg.max_tokens_per_micro)
+        self._run({"op": "stream_begin", "version": version})
+
+    def stream_add(self, samples, advantages: list[float]):
+        """Complete groups join the batch: a forward/backward for each micro-batch they fill."""
+        for parts in self.dealer.add(samples, advantages):
+            self._run({"op": "stream_micro", "parts": parts})
+
+    def stream_step(self, probe: bool):
+        """The rest of the batch, then the optimizer step; returns train()'s (metrics, probe logprobs)."""
+        for parts in self.dealer.flush():
+            self._run({"op": "stream_micro", "parts": parts})
+        return self._run({"op": "stream_step", "probe": probe})
 
     def send_weights(self, group, meta):
         """The weights into every engine over `group` (weight_sync.GroupSpec): each trainer rank
@@ -615,6 +678,14 @@ class TrainerRanks:
             return metrics, probe
         if op["op"] == "send":                                         # gathers: collective under FSDP
             return self._send(op["group"], op["meta"])
+        if op["op"] == "stream_begin":
+            self.grad = GradStream(tr)
+            self.grad.begin(op["version"])
+        if op["op"] == "stream_micro":
+            self.grad.micro(*op["parts"][tr.rank])
+        if op["op"] == "stream_step":
+            metrics = self.grad.step()
+            return metrics, (tr.probe_logprobs(self.probe_ids) if op["probe"] else None)
         if op["op"] == "probe":
             return tr.probe_logprobs(self.probe_ids)
         if op["op"] == "save":

@@ -238,6 +238,16 @@ def test_reward_excludes_eos_and_equal_reward_group_is_filtered(tok):
     assert {s.group_id for s in group} == {"mixed"}
 
 
+def test_a_length_budget_scores_the_answer_up_to_eos_and_keeps_the_rest_out_of_the_loss(tok):
+    """--response-len-median (target_len, EOS ignored): the engine generates past EOS; the verifier sees
+    the answer up to its first EOS, and the tokens after it stay in the sample, out of the loss."""
+    tail = tok.encode("77")
+    s = run_one_task(tok, add_task("t", target_len=3 + len(tail)),
+                     respond=lambda ids: tok.encode("2") + [tok.eos_token_id] + tail)
+    assert s.reward == 1.0 and len(s.response_ids) == 2 + len(tail)
+    assert s.loss_mask == [1, 1] + [0] * len(tail) and len(s.versions) == 2
+
+
 def _sample(gid, reward, version=0, failed=False):
     return Sample("t", gid, [1], [2], [-1.0], [1], [version], reward, failed=failed)
 
@@ -917,7 +927,8 @@ def test_faulty_env_rates():
 def test_config_validates():
     for field, bad in [("max_concurrency", 0), ("reward_workers", -2), ("env_step_timeout_s", 0),
                        ("max_tokens", -1), ("env_timeout_quantile", 0), ("env_timeout_quantile", 1.5),
-                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0)]:
+                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0), ("reward_timeout_factor", -1),
+                       ("reward_timeout_min_s", 0)]:
         with pytest.raises(ValueError, match=field):
             RolloutConfig(**{field: bad})
     with pytest.raises(ValueError, match=r"--env-timeout-quantile .*must be in \(0, 1\]"):

@@ -264,3 +264,44 @@ def test_an_evaluation_round_is_scored_apart_from_training():
     done, again, trained = asyncio.run(main())
     assert (done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5}
             and again == {} and trained == 0)
+
+
+def test_reward_deadline_is_lambda_times_the_slowest_correct_answer_within_min_and_max():
+    from deadline import RewardDeadline
+    d = RewardDeadline(10.0, factor=2.0, floor_s=1.0)
+    assert d.current_s == 10.0                        # no correct answer yet: T_max
+    d.record(3.0, 0.0)                                # a wrong answer says nothing of a right one's time
+    assert d.current_s == 10.0
+    d.record(0.2, 1.0)
+    assert d.current_s == 1.0                         # 2 x 0.2 = 0.4: T_min
+    d.record(2.0, 1.0)
+    d.record(0.5, 1.0)                                # faster than the anchor: the anchor stays the slowest
+    assert d.current_s == 4.0
+    d.record(7.0, 1.0)
+    assert d.current_s == 10.0                        # 14: T_max
+    assert RewardDeadline(10.0, factor=0.0, floor_s=1.0).current_s == 10.0
+
+
+def test_adaptive_reward_timeout_cuts_a_call_that_outlives_the_slowest_correct_one():
+    """Verifier calls in real worker processes: before any correct answer a call may take up to
+    --reward-timeout-s (a wrong 1 s answer completes); after a correct one of ~0.2 s, the deadline is
+    lambda x that (within T_min, T_max), and a 3 s call is cut there: it scores 0 and is counted."""
+    async def main():
+        pool = RewardPool(1, "reward_fixtures:sleep_then", timeout_s=20.0, timeout_factor=2.0,
+                          timeout_min_s=0.3)
+        try:
+            slow_wrong = await pool.score(Problem("a", ""), "1|0")
+            fast_right = await pool.score(Problem("b", ""), "0.2|1")
+            deadline, anchor = pool.deadline.current_s, pool.deadline.anchor_s
+            t = time.monotonic()
+            cut = await pool.score(Problem("c", ""), "3|1")
+            waited = time.monotonic() - t
+            after = await pool.score(Problem("d", ""), "0|1")        # a fresh worker serves the next call
+            return slow_wrong, fast_right, deadline, anchor, cut, waited, after, pool.timeouts
+        finally:
+            pool.shutdown()
+    slow_wrong, fast_right, deadline, anchor, cut, waited, after, timeouts = asyncio.run(main())
+    assert (slow_wrong, fast_right) == (0.0, 1.0)
+    assert 0.2 <= anchor < 1.0 and deadline == pytest.approx(max(0.3, 2 * anchor))
+    assert cut == 0.0 and timeouts == 1 and waited < 2.5
+    assert after == 1.0

@@ -51,3 +51,16 @@ def test_malformed_rows_name_file_and_line(tmp_path, content, message):
 def test_missing_file_is_named():
     with pytest.raises(FileNotFoundError, match="--data /nope.jsonl"):
         task.load_dataset("/nope.jsonl")
+
+
+def test_response_len_budget_is_the_prompts_own_lognormal_draw():
+    """--response-len-median: every generated prompt carries one budget (a deferred prompt keeps it),
+    lognormal around the median; off, no budget."""
+    import random
+    import statistics
+    cfg = task.DataConfig(response_len_median=8, response_len_sigma=1.0)
+    _, make, held_out = cfg.sources(0, evaluate=True)
+    lens = [make(random.Random(i)).target_len for i in range(2000)]
+    assert 7 <= statistics.median(lens) <= 9 and max(lens) > 60 and min(lens) >= 1
+    assert all(p.target_len == 0 for p in held_out)          # evaluation answers as it likes
+    assert task.DataConfig().sources(0, evaluate=False)[1](random.Random(0)).target_len == 0

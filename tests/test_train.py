@@ -258,6 +258,25 @@ def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
     assert (tuned - base).abs().max().item() > 1e-3
 
 
+def test_tail_batching_and_the_streaming_trainer_under_torchrun_with_resume(tmp_path):
+    """--tail-batching --stream-trainer at ratio 0 on real engines: every step on-policy (staleness 0, ratio
+    1), short and long rounds, the long-prompt queue in the checkpoint, and a resumed run that starts from
+    it (a long round first when it holds a batch)."""
+    out = tmp_path / "tail"
+    flags = ["--async-ratio", "0", "--tail-batching", "--stream-trainer", "--micro-batch", "4",
+             "--save-every", "3", "--check-sync-every", "0"]
+    r = finish(torchrun(out, "--steps", "3", *flags), out)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and "long_queue" in state
+    r = finish(torchrun(out, "--steps", "5", *flags, "--resume"), out)
+    assert [x["step"] for x in r] == [1, 2, 3, 4, 5]
+    for x in r:
+        assert x["staleness_max"] == 0 and abs(x["ratio_mean"] - 1) < 1e-4 and x["num_samples"] == 16
+        assert x["round"] in ("short", "long") and x["time_trainer_busy"] > 0
+    assert r[3]["round"] == ("long" if len(state["long_queue"]) >= 4 else "short")
+    assert sum(x["prompts_deferred"] for x in r) > 0 and "long" in [x["round"] for x in r]
+
+
 def test_ipc_transport_two_trainer_ranks_each_hand_their_engine_the_weights(tmp_path):
     """--weight-transport ipc, 2 trainer ranks (FSDP) + 2 engines: trainer rank i hands engine i shared-
     memory buckets (the CPU twin of --colocate's CUDA IPC, the same code); after every sync both

@@ -255,8 +255,8 @@ def lockstep(args, seed: int) -> dict:
 # the system: torchrun train.py, its metrics.jsonl read back
 
 
-def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int = 0) -> dict:
-    cmd = torchrun_cmd("--steps", str(args.steps), "--async-ratio", str(async_ratio),
+def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int = 0, extra=()) -> dict:
+    cmd = torchrun_cmd(*extra, "--steps", str(args.steps), "--async-ratio", str(async_ratio),
                        "--out-dir", str(out_dir), "--save-every", "0", "--seed", str(seed),
                        "--loss", args.loss, "--lr", str(args.lr), "--batch-groups", str(args.batch_groups),
                        "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
@@ -264,7 +264,10 @@ def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int
                        *(("--env", args.env, "--env-latency-s", str(args.env_latency_s),
                           "--env-latency-sigma", str(args.env_latency_sigma),
                           "--env-hang-rate", str(args.env_hang_rate),
-                          "--env-redundancy", str(env_redundancy)) if args.env else ()))
+                          "--env-redundancy", str(env_redundancy)) if args.env else ()),
+                       *(("--response-len-median", str(args.response_len_median),
+                          "--response-len-sigma", str(args.response_len_sigma)) if args.response_len_median
+                         else ()))
     t = time.monotonic()
     with open(out_dir.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -275,6 +278,14 @@ def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     out = summarise([r["time_step"] for r in rows], [r["reward_mean"] for r in rows], wall, args.target)
     out["sync_share"] = round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows), 4)
+    out.update(staleness_max=max(r["staleness_max"] for r in rows),
+               staleness_mean=round(statistics.fmean(r["staleness_mean"] for r in rows), 3))
+    if args.rollpacker:     # the share of generated tokens aborts threw away; tail batching's rounds
+        gen = sum(r.get("tokens_generated", 0) for r in rows)
+        out.update(aborted_share=round(sum(r.get("tokens_aborted", 0) for r in rows) / max(gen, 1), 4),
+                   long_rounds=sum(r.get("round") == "long" for r in rows),
+                   trainer_busy=round(sum(r.get("time_trainer_busy", 0) for r in rows)
+                                      / sum(r["time_step"] for r in rows), 3))
     if args.env:
         out.update(turns_mean=round(statistics.fmean(r["turns_mean"] for r in rows), 3),
                    samples_failed=sum(r["samples_failed"] for r in rows),
@@ -288,7 +299,17 @@ def main(args):
     # name -> how to run it for a seed
     runs = {"sync": lambda seed: system(args, seed, 0, out_root / f"sync-seed{seed}"),
             "async": lambda seed: system(args, seed, 2, out_root / f"async-seed{seed}")}
-    if args.env:
+    if args.rollpacker:          # RollPacker's five, on a long-tail length workload
+        tail = ("--tail-batching", "--tail-oversample", str(args.tail_oversample))
+        stream = ("--stream-trainer",)
+        base, runs = "sync", {
+            "sync": runs["sync"],
+            "sync_tail": lambda seed: system(args, seed, 0, out_root / f"sync_tail-seed{seed}", extra=tail),
+            "sync_tail_stream": lambda seed: system(args, seed, 0, out_root / f"sync_tail_stream-seed{seed}",
+                                                    extra=(*tail, *stream)),
+            "async": runs["async"],
+            "async_tail": lambda seed: system(args, seed, 2, out_root / f"async_tail-seed{seed}", extra=tail)}
+    elif args.env:
         base = "lockstep"
         runs = {"lockstep": lambda seed: lockstep(args, seed), **runs,
                 "redundant": lambda seed: system(args, seed, 2, out_root / f"redundant-seed{seed}",
@@ -322,6 +343,9 @@ def main(args):
               f"{base}_over_async_seconds_to_target": ratio(base, "async", "seconds_to_target"),
               f"{base}_over_async_wall": ratio(base, "async", "wall_s"),
               f"{base}_over_sync_seconds_to_target": ratio(base, "sync", "seconds_to_target")}
+    if args.rollpacker:
+        ratios = {f"sync_over_{name}_{key}": ratio("sync", name, key) for name in runs if name != "sync"
+                  for key in ("s_per_step", "seconds_to_target")}
     if args.env:
         ratios.update(async_over_redundant_s_per_step=ratio("async", "redundant", "s_per_step"),
                       async_over_redundant_seconds_to_target=ratio("async", "redundant", "seconds_to_target"),
@@ -330,6 +354,9 @@ def main(args):
         "setup": {"batch": f"{args.batch_groups}x{args.group_size}", "max_tokens": args.max_tokens,
                   "lr": args.lr, "loss": args.loss, "target": args.target, "seeds": args.seeds,
                   "system_steps": args.steps, "max_concurrency": args.max_concurrency,
+                  **({"response_len_median": args.response_len_median,
+                      "response_len_sigma": args.response_len_sigma, "tail_oversample": args.tail_oversample}
+                     if args.rollpacker else {}),
                   **({"env": args.env, "env_latency_s": args.env_latency_s,
                       "env_latency_sigma": args.env_latency_sigma, "env_hang_rate": args.env_hang_rate,
                       "env_redundancy": args.env_redundancy}
@@ -362,10 +389,21 @@ if __name__ == "__main__":
                     "returns (a stuck tool: only the env deadline ends it, and the trajectory is retried)")
     ap.add_argument("--env-redundancy", type=int, default=2, help="--env: the redundant run's extra "
                     "trajectories per group")
+    ap.add_argument("--rollpacker", action="store_true", help="RollPacker's comparison instead: sync, "
+                    "sync_tail, sync_tail_stream, async (ratio 2), async_tail, on a long-tail length "
+                    "workload")
+    ap.add_argument("--response-len-median", type=float, default=0.0, help="train.py's: each prompt's "
+                    "response is exactly lognormal(this, --response-len-sigma) tokens; 0 = off "
+                    "(--rollpacker: 8)")
+    ap.add_argument("--response-len-sigma", type=float, default=1.0)
+    ap.add_argument("--tail-oversample", type=float, default=1.5, help="--rollpacker: train.py's")
     ap.add_argument("--runs", nargs="+", help="only these (default: all of the workload's; ratios need both "
                     "sides)")
     ap.add_argument("--out-dir", default="runs/bench_e2e")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per system run, and per lockstep step's "
                     "rollouts")
     ap.add_argument("--verbose", action="store_true")
-    main(ap.parse_args())
+    args = ap.parse_args()
+    if args.rollpacker and not args.response_len_median:
+        args.response_len_median = 8.0
+    main(args)

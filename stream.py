@@ -1,0 +1,174 @@
+"""stream.py: the streaming trainer (--stream-trainer, RollPacker's stream trainer without its elastic
+GPUs): each complete group is trained on as it arrives, gradients accumulate, and one optimizer step
+follows once the batch is complete. The weights do not move before that step, so it is exact.
+
+    stream = TrainStream(group_size, backend, timeout_s)    # rl_step's side: groups in, a worker trains
+    batch, info = await ctrl.collect(on_group=stream.add)  # (stream.begin(version) first)
+    metrics, probe_ref = await stream.finish()              # the rest, then the optimizer step
+    grad = GradStream(trainer); grad.begin(v); grad.micro(samples, adv); grad.step()   # every trainer rank
+    dealer = Dealer(world, micro_batch, max_tokens)          # rank 0: arrivals -> micro-batches per rank
+
+GRPO advantages are per group, so a complete group's are known at once. A token-mean loss's
+normaliser (the batch's tokens) is known only at the end, but a gradient is linear in the loss's
+weights: each micro-batch's loss is backpropagated times its own token count (seq-mean-token-mean:
+its sample count), and the sum is scaled once, before clipping and the step, by 1 / the total. Under
+FSDP every rank runs every forward/backward (a collective): rank 0 deals each micro-batch over the
+ranks, a rank with no share runs an empty one (weight 0); the total is all-reduced, so the step
+normalises by the batch's tokens over all ranks (train_step averages the ranks' own means: the same
+on one rank). Where it cannot apply (several optimizer steps per batch, --colocate) the caller
+trains whole batches: TrainConfig.stream_fallback says why. Design notes: DESIGN.md#streampy
+"""
+
+import asyncio
+
+import torch
+import torch.distributed as dist
+
+from losses import group_advantages
+from microbatch import pack_by_tokens
+from proxy import now
+
+
+class GradStream:
+    """One rank's streamed step over a trainer.Trainer: begin, micro-batches, step."""
+
+    def __init__(self, trainer):
+        self.tr = trainer
+
+    def begin(self, version: int | None):
+        tr = self.tr
+        tr.model.train()
+        tr.opt.zero_grad(set_to_none=True)
+        self.lr, self.version = tr.set_lr(), version
+        self.sums: dict[str, float] = {"loss": 0.0}
+        self.den = 0.0                           # the normaliser so far: tokens (or samples) on this rank
+        self.gap = {"all": [0.0, 0.0], "on_policy": [0.0, 0.0]}
+
+    def micro(self, samples, advantages: list[float]):
+        """One forward/backward; no samples: an empty one (FSDP: every rank runs every pass)."""
+        t = self.tr.micro(samples, advantages, self.version)
+        self.tr.prepare(t)
+        num = (sum(sum(s.loss_mask) for s in samples) if self.tr.cfg.loss_agg == "token-mean"
+               else len(samples))
+        self.tr.forward_backward(t, float(num), self.sums, self.gap)    # unnormalised
+        self.den += num
+
+    def step(self) -> dict:
+        """Scale the accumulated gradient by 1 / the batch's normaliser, clip, step; the step's metrics."""
+        tr = self.tr
+        den = torch.tensor([self.den], dtype=torch.float64)
+        if tr.fsdp:       # FSDP averaged the ranks' gradients: times world / the ranks' total
+            dist.all_reduce(den, group=tr.group)
+        scale = tr.world / den.item() if den.item() > 0 else 0.0
+        for p in tr.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        local = max(self.den, 1.0)
+        means = {k: v / local for k, v in self.sums.items()}     # (this rank's, as train_step reports)
+        tr.update_metrics = [{**means, "grad_norm": tr.clip_and_step()}]
+        tr.num_steps += 1
+        return tr.step_metrics(self.lr, self.gap)
+
+
+class Dealer:
+    """Rank 0: samples in arrival order dealt round-robin over `world` ranks into micro-batches of at most
+    micro_batch samples per rank, or (max_tokens > 0) of at most max_tokens padded token slots per rank.
+    add() returns the micro-batches that are full; flush() the rest. Each is a list of (samples,
+    advantages) per rank."""
+
+    def __init__(self, world: int, micro_batch: int, max_tokens: int = 0):
+        self.world, self.micro_batch, self.max_tokens = world, micro_batch, max_tokens
+        self.buf: list[tuple] = []           # (sample, advantage)
+
+    def _fits(self, n: int) -> bool:
+        """Do the first n buffered samples, dealt round-robin, fit one micro-batch on every rank?"""
+        if not self.max_tokens:
+            return n <= self.world * self.micro_batch
+        for r in range(self.world):
+            share = [s.num_tokens for s, _ in self.buf[r:n:self.world]]
+            if len(share) > 1 and len(share) * max(share) > self.max_tokens:
+                return False
+        return True
+
+    def _take(self, n: int) -> list[tuple[list, list]]:
+        part, self.buf = self.buf[:n], self.buf[n:]
+        return [([s for s, _ in part[r::self.world]], [a for _, a in part[r::self.world]])
+                for r in range(self.world)]
+
+    def _prefix(self) -> int:
+        """The most buffered samples (at least one) that fit one micro-batch."""
+        n = 1
+        while n < len(self.buf) and self._fits(n + 1):
+            n += 1
+        return n
+
+    def add(self, samples, advantages) -> list:
+        self.buf += list(zip(samples, advantages))
+        out = []
+        while self.buf:
+            n = self._prefix()
+            full = not self.max_tokens and n == self.world * self.micro_batch
+            if n == len(self.buf) and not full:    # more may still fit: wait for the next arrivals
+                break
+            out.append(self._take(n))
+        return out
+
+    def flush(self) -> list:
+        out = []
+        if self.max_tokens and self.world == 1:     # one rank: the rest packed by tokens, longest first
+            parts = pack_by_tokens([s.num_tokens for s, _ in self.buf], self.max_tokens)
+            out = [[([self.buf[i][0] for i in p], [self.buf[i][1] for i in p])] for p in parts]
+            self.buf = []
+        while self.buf:
+            out.append(self._take(self._prefix()))
+        return out
+
+
+class TrainStream:
+    """rl_step's side of the streaming trainer. backend: async begin(version); async add(samples,
+    advantages) (forward/backward as micro-batches fill); async step(version) -> (metrics, probe_ref).
+    A worker task runs them one at a time, in order, while the controller goes on collecting.
+    busy_s: the worker's time in them this step (the trainer's busy time)."""
+
+    def __init__(self, group_size: int, backend, timeout_s: float = 600.0):
+        self.G, self.backend, self.timeout_s = group_size, backend, timeout_s
+        self.queue: asyncio.Queue | None = None
+        self.worker: asyncio.Task | None = None
+
+    def begin(self, version: int):
+        self.version, self.busy_s = version, 0.0
+        self.queue = asyncio.Queue()
+        self.worker = asyncio.get_running_loop().create_task(self._work(), name="streaming trainer")
+        self.queue.put_nowait(("begin",))
+
+    def add(self, group: list):
+        """A complete group joins the batch (controller.collect's on_group)."""
+        if self.worker.done():          # the trainer failed: say so now, not at the end of the step
+            self.worker.result()
+        adv = group_advantages(torch.tensor([s.reward for s in group]), self.G).tolist()
+        self.queue.put_nowait(("add", group, adv))
+
+    async def _work(self):
+        while True:
+            item = await self.queue.get()
+            t = now()
+            if item[0] == "begin":
+                await self.backend.begin(self.version)
+            elif item[0] == "add":
+                await self.backend.add(item[1], item[2])
+            else:
+                out = await self.backend.step(self.version)
+                self.busy_s += now() - t
+                return out
+            self.busy_s += now() - t
+
+    async def finish(self) -> tuple[dict, list | None]:
+        """The micro-batches still queued, then the optimizer step: (metrics, probe_ref)."""
+        self.queue.put_nowait(("step",))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                metrics, probe_ref = await self.worker
+        except TimeoutError:
+            raise TimeoutError(f"trainer rank 0: the streaming trainer's micro-batches and step did not end "
+                               f"within {self.timeout_s:.0f}s of the batch's last group") from None
+        return {**metrics, "time_trainer_busy": self.busy_s}, probe_ref
