@@ -4,6 +4,7 @@ transports: the group broadcast and the ipc hand-over, weight_ipc.py, over share
 Reference logprobs come from transformers on the same float32 weights; they agree within 1e-4."""
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -37,10 +38,13 @@ async def update(proxy: LLMProxy, weights: dict, version: int, mode: str = "keep
                  bucket_bytes: int = 64 << 20, transport: str = "group"):
     """This process as trainer rank 0: broadcast `weights` straight into the engine's worker, or (ipc)
     hand them over as shared-memory buckets."""
-    key = (id(proxy), transport, bucket_bytes)
+    # one sender per engine and transport, as a run has (a second group of the same generation to one
+    # worker is no run's case: its worker drops the first); the bucket size is the send's, per call
+    key = (id(proxy), transport)
     if key not in SENDERS:
-        SENDERS[key] = (Sender(timeout_s=60, bucket_bytes=bucket_bytes) if transport == "group"
-                        else [IpcSender(timeout_s=60, bucket_bytes=bucket_bytes)])
+        SENDERS[key] = (Sender(timeout_s=60) if transport == "group" else [IpcSender(timeout_s=60)])
+    for s in SENDERS[key] if transport == "ipc" else [SENDERS[key]]:
+        s.spec0 = dataclasses.replace(s.spec0, bucket_bytes=bucket_bytes)
     await proxy.suspend(mode)
     await push([proxy], SENDERS[key], weights.items(), version)
     await proxy.resume()
