@@ -200,29 +200,54 @@ def test_several_ipc_updates_land_exactly_tied_embeddings(vllm_proxy, hf):
     check_updates_land(lt, proxy, *hf, tied=True, transport="ipc")
 
 
-def test_several_updates_land_exactly_untied_embeddings(tiny_model_dir, tmp_path):
-    """The tiny model with its own lm_head (untied): the head travels as a weight of its own."""
+@pytest.fixture(scope="module")
+def untied(tiny_model_dir, tmp_path_factory):
+    """(LoopThread, LLMProxy, model, tokenizer): the tiny model with its own lm_head (untied), in a dir
+    where only the tokenizer names the EOS (no generation_config.json, none in config.json), on an
+    engine of its own."""
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     from conftest import LoopThread
+    path = tmp_path_factory.mktemp("untied")
     tied = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = tied.config
     cfg.tie_word_embeddings = False
+    cfg.eos_token_id = cfg.bos_token_id = None
     model = Qwen2ForCausalLM(cfg).eval()
     model.load_state_dict(tied.state_dict(), strict=False)
     with torch.no_grad():
         model.lm_head.weight.copy_(tied.model.embed_tokens.weight + 0.01)   # a head of its own
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    (path / "generation_config.json").unlink(missing_ok=True)
     tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    tok.save_pretrained(tmp_path)
+    tok.save_pretrained(path)
     lt = LoopThread()
-    proxy = lt.run(LLMProxy.start_vllm(str(tmp_path), rank=0, timeout_s=120))
-    try:
-        check_updates_land(lt, proxy, model, tok, tied=False)
-        check_updates_land(lt, proxy, model, tok, tied=False, transport="ipc")   # the same engine, ipc
-        ipc = proxy.engine.ipc_dir                    # the engine's IPC sockets live in a dir of its own ...
-        assert ipc and os.listdir(ipc)
-    finally:
-        proxy.shutdown()
-        lt.close()
-    assert not os.path.exists(ipc)                    # ... removed at shutdown (vLLM leaves them in /tmp)
+    proxy = lt.run(LLMProxy.start_vllm(str(path), rank=0, timeout_s=120))
+    ipc = proxy.engine.ipc_dir                    # the engine's IPC sockets live in a dir of its own ...
+    assert ipc and os.listdir(ipc)
+    yield lt, proxy, model, tok
+    proxy.shutdown()
+    lt.close()
+    assert not os.path.exists(ipc)                # ... removed at shutdown (vLLM leaves them in /tmp)
+
+
+def test_the_engine_stops_on_the_tokenizers_eos_without_a_tokenizer_of_its_own(untied):
+    """The engine runs without a tokenizer (skip_tokenizer_init: the front end's per-request borrow of
+    it cost 12.5% of the rollout rank), so the proxy names the tokenizer's EOS in every request. Here
+    nothing else names it: without that, greedy answers run on past their <eos> to max_tokens."""
+    lt, proxy, _, tok = untied
+    assert proxy.engine.stop_token_ids == [tok.eos_token_id]
+    for text in ("37+485=", "12+7=", "100+23="):
+        c = lt.run(proxy.generate(tok.encode(text), Sampling(max_tokens=12, temperature=0)))
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id, (text, c.token_ids)
+        assert tok.eos_token_id not in c.token_ids[:-1]
+    # ignore_eos still runs to max_tokens, past every EOS
+    c = lt.run(proxy.generate(tok.encode("37+485="), Sampling(max_tokens=12, temperature=0, ignore_eos=True)))
+    assert c.finish_reason == "length" and len(c.token_ids) == 12 and tok.eos_token_id in c.token_ids
+
+
+def test_several_updates_land_exactly_untied_embeddings(untied):
+    """The tiny model with its own lm_head (untied): the head travels as a weight of its own."""
+    lt, proxy, model, tok = untied
+    check_updates_land(lt, proxy, model, tok, tied=False)
+    check_updates_land(lt, proxy, model, tok, tied=False, transport="ipc")   # the same engine, ipc
