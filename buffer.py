@@ -1,9 +1,9 @@
 """buffer.py: the SampleBuffer. Shared task and sample queues, per-sample versions, freshness.
 
     controller (trainer rank 0)                      rollout ranks (env_manager.py)
-      put_tasks([RolloutTask])  -- task queue ---->   get_tasks_nowait(n)
-      get_sample()           <--- sample queue ----    put_samples([Sample])
-      send_command(rank, Command) -- command queues ->  get_command_nowait(rank)   (weight sync, aborts, stop)
+      put_tasks([RolloutTask])  -- task queue ---->   exchange(rank, samples, ..., max_tasks): each
+      get_sample()           <--- sample queue ----     control-loop tick, one round trip (get_tasks_nowait(n)
+      send_command(rank, Command) -- command queues ->  for more)   (commands: weight sync, aborts, stop)
       get_ack()              <--- ack queue -------    put_ack(Ack)
 
 What lives here:
@@ -156,6 +156,19 @@ def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
 QUEUE_NAMES = ("tasks", "samples", "acks")
 
 
+def exchange(t, rank: int, samples: list, want_command: bool, max_tasks: int, count_tasks: bool):
+    """A rollout rank's control-loop tick as one call on transport t (one round trip over TCP): put its
+    finished samples, take its next command (if want_command), count the tasks queued now (if
+    count_tasks, else None) and take up to max_tasks of them, no more than that count.
+    -> (Command or None, [RolloutTask], tasks queued before the take or None)."""
+    if samples:
+        t.put_many_nowait("samples", samples)
+    got = t.get_many_nowait("commands", 1, rank) if want_command else []
+    queued = t.qsize("tasks") if count_tasks else None
+    n = max_tasks if queued is None else min(max_tasks, queued)
+    return (got[0] if got else None), (t.get_many_nowait("tasks", n) if n > 0 else []), queued
+
+
 class LocalQueues:
     """In-process asyncio queues (tests, simulator). num_ranks command queues, one per rollout rank."""
 
@@ -169,6 +182,9 @@ class LocalQueues:
         return self.commands[rank] if name == "commands" else self.queues[name]
 
     async def put_many(self, name, items, rank=None):
+        self.put_many_nowait(name, items, rank)
+
+    def put_many_nowait(self, name, items, rank=None):
         for item in items:
             self.q(name, rank).put_nowait(item)
 
@@ -185,6 +201,9 @@ class LocalQueues:
 
     def qsize(self, name, rank=None) -> int:
         return self.q(name, rank).qsize()
+
+    def exchange(self, *args):
+        return exchange(self, *args)
 
 
 class ServedQueue:
@@ -222,7 +241,27 @@ def _served(name: str) -> ServedQueue:
     return _SERVED.setdefault(name, ServedQueue())
 
 
+class ServedQueues:
+    """The server's own view of all its queues: calls that touch several in one round trip (exchange)."""
+
+    def q(self, name: str, rank: int | None = None) -> ServedQueue:
+        return _served(f"commands{rank}" if name == "commands" else name)
+
+    def put_many_nowait(self, name, items, rank=None):
+        self.q(name, rank).put_many(items)
+
+    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
+        return self.q(name, rank).get_many(max_items)
+
+    def qsize(self, name, rank=None) -> int:
+        return self.q(name, rank).qsize()
+
+    def exchange(self, *args):
+        return exchange(self, *args)
+
+
 _QueueManager.register("get_queue", callable=_served)
+_QueueManager.register("get_queues", callable=ServedQueues)
 
 
 class ManagerQueues:
@@ -236,6 +275,7 @@ class ManagerQueues:
         self.manager = manager
         self.queues = {name: manager.get_queue(name) for name in QUEUE_NAMES}
         self.commands = [manager.get_queue(f"commands{r}") for r in range(num_ranks)]
+        self.served = manager.get_queues()
 
     @classmethod
     def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int) -> "ManagerQueues":
@@ -286,6 +326,9 @@ class ManagerQueues:
 
     def qsize(self, name, rank=None) -> int:
         return self.q(name, rank).qsize()
+
+    def exchange(self, *args):
+        return self.served.exchange(*args)
 
     def shutdown(self):
         """Stop the queue server (server side only; a connected client has nothing to stop)."""
@@ -361,14 +404,14 @@ class SampleBuffer:
             return fn(*args)
         return await self._bounded(asyncio.to_thread(fn, *args), phase)
 
+    async def exchange(self, rank: int, samples: list[Sample], want_command: bool, max_tasks: int,
+                       count_tasks: bool) -> tuple[Command | None, list[RolloutTask], int | None]:
+        """A control-loop tick's queue work in one round trip (module function exchange)."""
+        return await self._polled("send samples, poll commands and tasks", self.t.exchange, rank, samples,
+                                  want_command, max_tasks, count_tasks)
+
     async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
         return await self._polled("poll tasks", self.get_tasks_nowait, max_items)
-
-    async def poll_command(self, rank: int) -> Command | None:
-        return await self._polled("poll commands", self.get_command_nowait, rank)
-
-    async def poll_num_queued_tasks(self) -> int:
-        return await self._polled("count queued tasks", self.num_queued_tasks)
 
     def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
         return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []

@@ -109,10 +109,7 @@ def test_local_queues_buffer_roundtrip_and_timeout():
 
 def test_manager_queues_over_tcp():
     """The real transport: a manager process serving the queues on localhost with an authkey."""
-    import socket
-    with socket.socket() as sock:          # a free port on loopback
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = ManagerQueues.serve("127.0.0.1", port, b"secret", num_ranks=1)
     try:
         client = ManagerQueues.connect("127.0.0.1", port, b"secret", num_ranks=1, timeout_s=10)
@@ -134,6 +131,41 @@ def test_manager_queues_over_tcp():
             ManagerQueues.connect("127.0.0.1", port, b"wrong-key", num_ranks=1, timeout_s=2)
     finally:
         server.shutdown()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:          # a free port on loopback
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_exchange_is_a_rollout_ranks_tick_in_one_call(transport):
+    """exchange: the samples go out; the rank's own next command (one, in order) and up to max_tasks
+    tasks come back, never more than were queued (count_tasks: how many that was)."""
+    port = free_port()
+    server = ManagerQueues.serve("127.0.0.1", port, b"k", num_ranks=2) if transport == "tcp" else LocalQueues(2)
+    client = ManagerQueues.connect("127.0.0.1", port, b"k", num_ranks=2, timeout_s=10) if transport == "tcp" else server
+    try:
+        async def main():
+            b_srv, b_cli = SampleBuffer(server, "server", timeout_s=10), SampleBuffer(client, "rollout rank 1")
+            await b_srv.put_tasks([RolloutTask(f"t{i}", f"g{i}", Problem("1+1=", "2")) for i in range(5)])
+            await b_srv.send_command(1, Command(Cmd.SYNC, version=3))
+            await b_srv.send_command(1, Command(Cmd.STOP))
+            await b_srv.send_command(0, Command(Cmd.STOP))          # another rank's: never rank 1's
+            cmd, tasks, queued = await b_cli.exchange(1, [sample("g9", [0], 1.0)], True, 2, True)
+            assert (cmd.kind, cmd.version, [t.task_id for t in tasks], queued) == (Cmd.SYNC, 3, ["t0", "t1"], 5)
+            assert (await b_srv.get_sample(timeout=5)).reward == 1.0
+            cmd, tasks, queued = await b_cli.exchange(1, [], False, 8, False)     # a sync in flight: no command
+            assert (cmd, [t.task_id for t in tasks], queued) == (None, ["t2", "t3", "t4"], None)
+            assert await b_cli.exchange(1, [], True, 8, True) == (Command(Cmd.STOP), [], 0)
+            assert await b_cli.exchange(1, [], True, 8, True) == (None, [], 0)
+            assert b_srv.get_command_nowait(0) == Command(Cmd.STOP)
+        asyncio.run(main())
+    finally:
+        if transport == "tcp":
+            server.shutdown()
 
 
 def test_a_sample_given_up_on_kills_its_group():
@@ -192,7 +224,7 @@ def test_a_rollout_ranks_polls_do_not_stop_its_event_loop():
                 await asyncio.sleep(0.01)
                 ticks += 1
         work = asyncio.create_task(other_work())
-        assert await buf.poll_command(0) is None and await buf.poll_tasks(4) == []
+        assert await buf.exchange(0, [], True, 4, False) == (None, [], None) and await buf.poll_tasks(4) == []
         work.cancel()
         return ticks
-    assert asyncio.run(main()) >= 10        # ~60 ticks in the 0.6 s of round trips; 0 when they block
+    assert asyncio.run(main()) >= 10        # ~90 ticks in the 0.9 s of round trips; 0 when they block
