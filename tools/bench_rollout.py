@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import collections
 import cProfile
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -105,7 +106,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model.ensure_tiny_model(log=lambda *a: None)))
     transport = ManagerQueues.connect("127.0.0.1", port, AUTHKEY, 1)
-    blocked = time_calls(transport, ("get_many_nowait", "qsize", "put_many"))   # round trips to the server
+    blocked = time_calls(transport, ("exchange", "get_many_nowait", "qsize", "put_many"))  # round trips
     buffer = SampleBuffer(transport, "rollout rank 0", 60)
     engine = FakeTimedEngine(t0=args.step_ms / 1e3, k=args.per_seq_ms / 1e3,
                              max_num_seqs=args.max_concurrency, vocab_size=40, seed=0)
@@ -114,6 +115,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
     cfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=args.max_len,
                         max_model_len=args.max_len + 64, stream_interval=interval, reward_workers=0)
     manager = EnvManager(proxy, buffer, tokenizer, 0, cfg, async_ratio=1_000_000)
+    gc.freeze()         # as train.py's rollout rank after its start-up
     run = asyncio.ensure_future(manager.run())
 
     def snapshot():
