@@ -53,7 +53,7 @@ PHASES = [
     ("rollout rank", "reward (verifier)", r"reward"),
     ("rollout rank", "trajectories + proxy",
      r"rollout_once|run_trajectory|LLMProxy|_consume|VLLMEngine.stream"),
-    ("rollout rank", "env manager: slots, queue calls", r"_start_held|_flush|exchange|get_many|put_many|_loop"),
+    ("rollout rank", "env manager: slots, queue calls", r"_pull_tasks|_flush|exchange|get_many|put_many|_loop"),
     ("rollout rank", "other (event loop)", r""),
     ("vLLM engine core", "spin-wait on the worker queue", r"sched_yield|acquire_read|SpinCondition"),
     ("vLLM engine core", "scheduler", r"schedule|update_from_output"),

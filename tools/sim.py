@@ -594,7 +594,7 @@ def colocated(cfg: SimConfig, gpus: int) -> SimConfig:
 
 def even(cfg: SimConfig, rollout_gpus: int) -> SimConfig:
     """A synchronous run's best max_concurrency: one step's tasks spread evenly over the engines.
-    EnvManager takes up to its free slots of tasks at once (one task per group per poll period), so
+    EnvManager._pull_tasks takes up to its free slots at once (one task per group per poll period), so
     with a larger value the ranks that poll first take more than their share of a sync step's batch
     and the others idle at its end."""
     tasks = (cfg.batch_groups + cfg.redundant) * (cfg.group_size + (cfg.env_redundancy if cfg.env else 0))
