@@ -6,7 +6,7 @@ import asyncio
 
 from conftest import run_virtual
 from buffer import RolloutTask
-from env_manager import RolloutConfig, run_trajectory
+from rollout import RolloutConfig, run_trajectory
 from envs import PromptFormat
 from proxy import Sampling
 from task import Problem

@@ -187,7 +187,8 @@ def lockstep(args, seed: int) -> dict:
     import tiny_model
     from buffer import RolloutTask
     from controller import problem_stream
-    from env_manager import EnvDeadline, RolloutConfig, run_trajectory
+    from deadline import EnvDeadline
+    from rollout import RolloutConfig, run_trajectory
     from envs import ENVS, FaultConfig, PromptFormat
     from losses import group_advantages
     from trainer import TrainConfig, Trainer
