@@ -516,6 +516,7 @@ def main():
             run_rollout(cfg, rank, device, model_dir, state, addr[0], engine_core, adapter_dir)
         collective("final barrier", dist.barrier)
     finally:
+        gc.unfreeze()        # frozen objects are collected at exit again (else triton reports leaks)
         cleanup()
 
 
