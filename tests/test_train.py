@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.jobs import job_tree, torchrun_cmd
+from tools.jobs import job_tree, run_to_end, torchrun_cmd
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,3 +308,11 @@ def test_ipc_transport_lora_hands_over_the_adapter(tmp_path):
                         "--weight-transport", "ipc", "--lora-rank", "8", "--lr", "2e-2",
                         "--warmup-steps", "0", rollout_gpus=1), out)
     assert all(x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4 for x in r)
+
+
+def test_run_to_end_fails_naming_the_command_and_its_log(tmp_path):
+    """The tools' one way to run a job: a failure exits with the command and the log to read."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"my_tool: .*--no-such-flag.* failed \(exit \d+\); see .*run\.log"):
+        run_to_end(torchrun_cmd("--out-dir", str(out), "--no-such-flag"), out, "my_tool", timeout_s=120)
+    assert "--no-such-flag" in (tmp_path / "run.log").read_text()

@@ -42,11 +42,10 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
-from tools.jobs import torchrun_cmd
+from tools.jobs import run_to_end, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
@@ -270,13 +269,8 @@ def system(args, seed: int, async_ratio: int, out_dir: Path, env_redundancy: int
                           "--response-len-sigma", str(args.response_len_sigma)) if args.response_len_median
                          else ()))
     t = time.monotonic()
-    with open(out_dir.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout_s).returncode
+    rows = run_to_end(cmd, out_dir, "bench_e2e", args.timeout_s)
     wall = time.monotonic() - t
-    if rc != 0:
-        raise SystemExit(f"bench_e2e: {' '.join(cmd)} failed (exit {rc}); see {out_dir.with_suffix('.log')}")
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     out = summarise([r["time_step"] for r in rows], [r["reward_mean"] for r in rows], wall, args.target)
     out["sync_share"] = round(sum(r["time_weight_sync"] for r in rows) / sum(r["time_step"] for r in rows), 4)
     out.update(staleness_max=max(r["staleness_max"] for r in rows),

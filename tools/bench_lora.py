@@ -27,12 +27,11 @@ Prints a markdown table (README, "LoRA") and the JSON it came from.
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from tools.bench_weight_sync import RUNS
-from tools.jobs import torchrun_cmd
+from tools.jobs import run_to_end, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository root
 # name -> (train.py args, model dir or None for the embedded default): bench_weight_sync's two runs
@@ -47,12 +46,7 @@ def run(args, model: str, rank: int, out: Path) -> dict:
                        "--seed", str(args.seed), *(["--lora-rank", str(rank), "--lr", str(args.lora_lr)]
                                                    if rank else []))
     t = time.monotonic()
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout_s).returncode
-    if rc != 0:
-        raise SystemExit(f"bench_lora: {' '.join(cmd)} failed (exit {rc}); see {out.with_suffix('.log')}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = run_to_end(cmd, out, "bench_lora", args.timeout_s)
     synced = [r for r in rows[1:] if "time_engine_load" in r]       # rows reporting a sync (not the first)
     weights = out / "checkpoint" / ("adapter_model.safetensors" if rank else "model.safetensors")
     rewards = [r["reward_mean"] for r in rows]

@@ -35,13 +35,11 @@ Prints a markdown table (README, "Weight sync") and the JSON it came from.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
-from tools.jobs import torchrun_cmd
+from tools.jobs import run_to_end, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository root
 RUNS = {   # name -> (train.py args, model dir or None for the embedded default)
@@ -71,13 +69,7 @@ def run(tree: Path, name: str, model: Path | None, steps: int, out: Path, timeou
     cmd = torchrun_cmd(*args, *(["--model", str(model)] if model else []), "--steps", str(steps),
                        "--out-dir", str(out), "--save-every", "0", "--overwrite", *extra)
     t = time.monotonic()
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
-    if rc != 0:
-        raise SystemExit(f"bench_weight_sync: {' '.join(cmd)} in {tree} failed (exit {rc}); "
-                         f"see {out.with_suffix('.log')}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = run_to_end(cmd, out, "bench_weight_sync", timeout_s, cwd=tree, env={"OMP_NUM_THREADS": "1"})[1:]
     after = "time_vllm_load" in rows[-1]
     # rows that report a sync (the first row reports the start-up check, not a sync)
     synced = [r for r in rows if "time_engine_load" in r]

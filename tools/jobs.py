@@ -1,15 +1,21 @@
 """jobs.py: a train.py job as the tools see it from outside (soak.py, bench_chaos.py, profile_step.py,
-bench_e2e.py and the torchrun tests): the command that launches it, its processes by role, and the
-`-- extra args` that a tool passes on to train.py.
+bench_e2e.py and the torchrun tests): the command that launches it, a run to its end, its processes by
+role, and the `-- extra args` that a tool passes on to train.py.
 
     cmd = torchrun_cmd("--steps", "10", "--out-dir", "runs/x")    # 1 trainer + 1 rollout rank, free ports
+    rows = run_to_end(cmd, Path("runs/x"), "my_tool", timeout_s=600)   # metrics.jsonl's rows; log: runs/x.log
     roles = job_tree(job.pid)                                      # pid -> (role, psutil.Process)
     own, extra = split_args(sys.argv[1:])                          # tool.py --its-flags -- --train-flags
 """
 
+import json
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 
 ROLES = ("torchrun", "engine core", "engine worker", "trainer rank", "rollout rank", "queue server",
          "resource tracker", "helper")
@@ -37,6 +43,19 @@ def torchrun_cmd(*train_args: str, rollout_gpus: int = 1, launcher=(), train_gpu
             *launcher,
             "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "train.py",
             "--rollout-gpus", str(rollout_gpus), "--train-gpus", str(train_gpus), *train_args]
+
+
+def run_to_end(cmd: list[str], out: Path, who: str, timeout_s: float, cwd: Path = ROOT,
+               env: dict | None = None) -> list[dict]:
+    """Run a train.py job (its --out-dir: out) to its end, its output in out.log; a failure exits naming
+    the command and the log. Returns metrics.jsonl's rows, one per step."""
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                            env={**os.environ, **env} if env else None).returncode
+    if rc != 0:
+        raise SystemExit(f"{who}: {' '.join(cmd)}" + (f" in {cwd}" if cwd != ROOT else "")
+                         + f" failed (exit {rc}); see {out.with_suffix('.log')}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def role_of(p, root_pid: int) -> str:

@@ -13,13 +13,11 @@ results/tail_learning.png (the eval curves, one line per run). The runs go to ru
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
-from tools.jobs import torchrun_cmd
+from tools.jobs import run_to_end, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"off": (), "tail batching": ("--tail-batching",)}
@@ -28,12 +26,7 @@ SETTINGS = {"off": (), "tail batching": ("--tail-batching",)}
 def run(args, seed: int, flags: tuple, out: Path) -> list[dict]:
     cmd = torchrun_cmd("--steps", str(args.steps), "--async-ratio", "0", "--eval-every", str(args.eval_every),
                        "--save-every", "0", "--seed", str(seed), "--out-dir", str(out), "--overwrite", *flags)
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout_s).returncode
-    if rc != 0:
-        raise SystemExit(f"tail_learning: {' '.join(cmd)} failed (exit {rc}); see {out.with_suffix('.log')}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = run_to_end(cmd, out, "tail_learning", args.timeout_s)
     return [r for r in rows if r.get("eval_greedy") is not None]
 
 
