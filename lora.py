@@ -6,7 +6,7 @@ to the engines (weight_sync.py) and into checkpoints; the engines serve base + a
 
 The adapter's tensors carry PEFT's names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
 the names vLLM's LoRA loader reads. Every engine holds one adapter, ADAPTER_ID; each weight sync
-replaces its tensors in place (WeightSyncWorker), and every request names it (proxy.VLLMEngine).
+replaces its tensors in place (WeightSyncWorker), and every request names it (vllm_engine.VLLMEngine).
 Deviation: dropout > 0 makes the trainer's logprobs differ from the engine's (which has none), so the
 default is 0.
 """

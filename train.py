@@ -37,12 +37,14 @@ from controller import AsyncController, ControllerConfig, problem_stream, rl_ste
 from env_manager import EnvManager, RolloutConfig
 from envs import FaultConfig, PromptFormat
 from lora import LoraConfig, check_lora
-from proxy import LLMProxy, Sampling, VLLMEngine, cpu_layout, engine_gpu
+from proxy import LLMProxy, Sampling
+from vllm_engine import VLLMEngine, cpu_layout, engine_gpu
 from runlog import RunLog, check_tracker, eval_line, print0, probe_verdict, trim_metrics
 from stream import TrainStream
 from task import DataConfig, Problem, load_dataset
 from timeline import RankEvents
-from trainer import PROBE_TEXT, TrainConfig, Trainer, TrainerRanks, check_model_dir, check_run_dir, collective
+from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
+from trainer_ranks import PROBE_TEXT, TrainerRanks, collective
 from weight_ipc import IpcSender
 from weight_sync import Sender, weight_meta
 
@@ -343,7 +345,7 @@ def engine_memory_share(cfg: Config, model_dir: str, who: str) -> float:
 def rank_places(world: int, local_world: int, visible: str | None, count: int) -> list[tuple[int, str]]:
     """(node, GPU) of every global rank from torchrun's environment alone: rank r is local rank
     r % local_world on node r // local_world (torchrun starts as many ranks on every node) and takes
-    the GPU init_distributed and run_rollout give that local rank (proxy.engine_gpu)."""
+    the GPU init_distributed and run_rollout give that local rank (vllm_engine.engine_gpu)."""
     return [(r // local_world, engine_gpu(r % local_world, visible, count)) for r in range(world)]
 
 

@@ -19,7 +19,7 @@ from env_manager import EnvManager, RolloutConfig
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Status
 from task import Problem
-from proxy import cpu_layout, engine_gpu
+from vllm_engine import cpu_layout, engine_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

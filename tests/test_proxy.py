@@ -289,7 +289,7 @@ def test_sampling_validates():
 @pytest.mark.parametrize("cuda, flag, eager", [(False, None, True), (True, None, False), (True, True, True)])
 def test_engines_capture_cuda_graphs_on_gpu_unless_told_not_to(monkeypatch, cuda, flag, eager):
     """enforce_eager: always on CPU; on GPU vLLM's default (CUDA graphs) unless --enforce-eager."""
-    from proxy import VLLMEngine
+    from vllm_engine import VLLMEngine
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(VLLMEngine, "_start", classmethod(lambda cls, args: seen.setdefault("args", args)))

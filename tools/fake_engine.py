@@ -1,8 +1,8 @@
 """fake_engine.py: FakeTimedEngine, a stand-in for vLLM for unit tests and the simulator only.
 
-    proxy = LLMProxy(FakeTimedEngine(max_num_seqs=64, kv_tokens=None), rank=0)   # as proxy.VLLMEngine
+    proxy = LLMProxy(FakeTimedEngine(max_num_seqs=64, kv_tokens=None), rank=0)   # as vllm_engine.VLLMEngine
 
-It speaks the same backend calls as proxy.VLLMEngine (stream, abort, pause, resume, receive_weights,
+It speaks the same backend calls as vllm_engine.VLLMEngine (stream, abort, pause, resume, receive_weights,
 set_version, score, sleep, wake), so LLMProxy runs unchanged on top of it. Time is asyncio.sleep only: under a
 fast-forwarded event loop (looptime) an hour of decoding takes milliseconds of real time.
 
@@ -213,7 +213,7 @@ class FakeTimedEngine:
             self.waiting.remove(eid)
         return self.running.pop(eid)
 
-    # --- backend calls (see proxy.VLLMEngine)
+    # --- backend calls (see vllm_engine.VLLMEngine)
     async def stream(self, request_id, prompt_token_ids, sampling, cache_salt=None):  # no prefix cache here
         if self.hang:
             await asyncio.Event().wait()        # never answers

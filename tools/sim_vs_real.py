@@ -35,7 +35,7 @@ import time
 N_SWEEP = (1, 4, 16, 64)    # requests kept in flight per engine in the calibration (64 = max_num_seqs here)
 PROMPT_LENS = (4, 40)       # prompt tokens in the calibration: two context levels, so k_ctx can be fitted
 CAL_REQUESTS = 6            # requests per in-flight slot in one calibration run
-KV_GIB = 1                  # VLLM_CPU_KVCACHE_SPACE of each engine (proxy.VLLMEngine.start's default), GiB
+KV_GIB = 1                  # VLLM_CPU_KVCACHE_SPACE of each engine (VLLMEngine.start's default), GiB
 MAX_NUM_SEQS = 64           # vLLM max_num_seqs of each engine, and the EnvManagers' max_concurrency
 
 
