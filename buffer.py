@@ -156,17 +156,15 @@ def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
 QUEUE_NAMES = ("tasks", "samples", "acks")
 
 
-def exchange(t, rank: int, samples: list, want_command: bool, max_tasks: int, count_tasks: bool):
+def exchange(t, rank: int, samples: list, want_command: bool, max_tasks: int):
     """A rollout rank's control-loop tick as one call on transport t (one round trip over TCP): put its
-    finished samples, take its next command (if want_command), count the tasks queued now (if
-    count_tasks, else None) and take up to max_tasks of them, no more than that count.
-    -> (Command or None, [RolloutTask], tasks queued before the take or None)."""
+    finished samples, take its next command (if want_command), and take up to max_tasks tasks.
+    -> (Command or None, [RolloutTask], tasks queued before the take)."""
     if samples:
         t.put_many_nowait("samples", samples)
     got = t.get_many_nowait("commands", 1, rank) if want_command else []
-    queued = t.qsize("tasks") if count_tasks else None
-    n = max_tasks if queued is None else min(max_tasks, queued)
-    return (got[0] if got else None), (t.get_many_nowait("tasks", n) if n > 0 else []), queued
+    queued = t.qsize("tasks")
+    return (got[0] if got else None), t.get_many_nowait("tasks", min(max_tasks, queued)), queued
 
 
 class LocalQueues:
@@ -404,11 +402,11 @@ class SampleBuffer:
             return fn(*args)
         return await self._bounded(asyncio.to_thread(fn, *args), phase)
 
-    async def exchange(self, rank: int, samples: list[Sample], want_command: bool, max_tasks: int,
-                       count_tasks: bool) -> tuple[Command | None, list[RolloutTask], int | None]:
+    async def exchange(self, rank: int, samples: list[Sample], want_command: bool,
+                       max_tasks: int) -> tuple[Command | None, list[RolloutTask], int]:
         """A control-loop tick's queue work in one round trip (module function exchange)."""
         return await self._polled("send samples, poll commands and tasks", self.t.exchange, rank, samples,
-                                  want_command, max_tasks, count_tasks)
+                                  want_command, max_tasks)
 
     async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
         return await self._polled("poll tasks", self.get_tasks_nowait, max_items)

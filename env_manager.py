@@ -130,18 +130,14 @@ class EnvManager:
             # the next waits for the sync in flight) and, with free slots and none held, tasks for them
             samples, self.outbox = self.outbox, []
             want = self.cfg.max_concurrency - self.slots_used if may_start and not self.held else 0
-            cmd, tasks, queued = await self.buffer.exchange(self.rank, samples, self.sync_task is None, want,
-                                                            self.num_ranks > 1)
+            cmd, tasks, queued = await self.buffer.exchange(self.rank, samples, self.sync_task is None, want)
             self.held.extend(tasks)
             if cmd is not None:
                 if await self._handle(cmd):
                     return
                 continue
-            if may_start:
-                left = None if queued is None else queued - len(tasks)   # queued tasks not looked at yet
-                if want and len(tasks) < want:
-                    left = 0                        # the queue ran dry: no second round trip this tick
-                await self._pull_tasks(left)
+            if may_start:          # (tasks queued after the exchange wait for the next tick)
+                await self._pull_tasks(budget=queued - len(tasks))
             self.wake.clear()
             # sleep one poll period, or less when a slot frees. (Not asyncio.wait_for: in Python 3.11 a
             # cancel that lands as the event fires is swallowed, and a cancelled rank ran on for ever)
@@ -246,29 +242,27 @@ class EnvManager:
                                       engine={**self.proxy.stats(), **self.reward_stats()},
                                       timings=timings, events=self.proxy.take_events(), **fields))
 
-    async def _pull_tasks(self, budget: int | None):
+    async def _pull_tasks(self, budget: int):
         """Start tasks while there are free slots, at most one task of a group per poll period when
         other ranks pull too (module docstring). The held tasks first (the loop's exchange fetched up to
-        as many as there were free slots), then one round trip fetches more when they are used up; with
-        other ranks it looks at each task queued at the exchange at most once (budget: those it has not
-        fetched yet), and the tasks it passes over go back on the queue, in order, in one more round
-        trip. Never waits for a task (the queue is polled)."""
+        as many as there were free slots), then one round trip fetches more when they are used up; it
+        looks at each task queued at the exchange at most once (budget: those not fetched yet), and the
+        tasks it passes over go back on the queue, in order, in one more round trip. Never waits for a
+        task (the queue is polled)."""
         t_now = now()
         spread = self.num_ranks > 1
         if len(self.group_taken_at) > 4 * self.cfg.max_concurrency:   # forget groups older than a period
             self.group_taken_at = {g: t for g, t in self.group_taken_at.items()
                                    if t_now - t < self.cfg.poll_s}
         passed_over = []
-        try:            # (tasks queued after the exchange wait for the next poll)
+        try:
             while self.slots_used < self.cfg.max_concurrency:
                 if not self.held:
-                    want = self.cfg.max_concurrency - self.slots_used
-                    want = want if budget is None else min(want, budget)
+                    want = min(self.cfg.max_concurrency - self.slots_used, budget)
                     got = await self.buffer.poll_tasks(want) if want > 0 else []
                     if not got:
                         return
-                    if budget is not None:
-                        budget -= len(got)
+                    budget -= len(got)
                     self.held.extend(got)
                 t = self.held[0]
                 if t.group_id in self.aborted_groups:

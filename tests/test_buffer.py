@@ -143,7 +143,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 def test_exchange_is_a_rollout_ranks_tick_in_one_call(transport):
     """exchange: the samples go out; the rank's own next command (one, in order) and up to max_tasks
-    tasks come back, never more than were queued (count_tasks: how many that was)."""
+    tasks come back, with how many were queued before the take."""
     port = free_port()
     tcp = transport == "tcp"
     server = ManagerQueues.serve("127.0.0.1", port, b"k", num_ranks=2) if tcp else LocalQueues(2)
@@ -156,14 +156,14 @@ def test_exchange_is_a_rollout_ranks_tick_in_one_call(transport):
             await b_srv.send_command(1, Command(Cmd.SYNC, version=3))
             await b_srv.send_command(1, Command(Cmd.STOP))
             await b_srv.send_command(0, Command(Cmd.STOP))          # another rank's: never rank 1's
-            cmd, tasks, queued = await b_cli.exchange(1, [sample("g9", [0], 1.0)], True, 2, True)
+            cmd, tasks, queued = await b_cli.exchange(1, [sample("g9", [0], 1.0)], True, 2)
             assert (cmd.kind, cmd.version, queued) == (Cmd.SYNC, 3, 5)
             assert [t.task_id for t in tasks] == ["t0", "t1"]
             assert (await b_srv.get_sample(timeout=5)).reward == 1.0
-            cmd, tasks, queued = await b_cli.exchange(1, [], False, 8, False)   # a sync in flight: no command
-            assert (cmd, [t.task_id for t in tasks], queued) == (None, ["t2", "t3", "t4"], None)
-            assert await b_cli.exchange(1, [], True, 8, True) == (Command(Cmd.STOP), [], 0)
-            assert await b_cli.exchange(1, [], True, 8, True) == (None, [], 0)
+            cmd, tasks, queued = await b_cli.exchange(1, [], False, 8)   # a sync in flight: no command
+            assert (cmd, [t.task_id for t in tasks], queued) == (None, ["t2", "t3", "t4"], 3)
+            assert await b_cli.exchange(1, [], True, 8) == (Command(Cmd.STOP), [], 0)
+            assert await b_cli.exchange(1, [], True, 8) == (None, [], 0)
             assert b_srv.get_command_nowait(0) == Command(Cmd.STOP)
         asyncio.run(main())
     finally:
@@ -227,7 +227,7 @@ def test_a_rollout_ranks_polls_do_not_stop_its_event_loop():
                 await asyncio.sleep(0.01)
                 ticks += 1
         work = asyncio.create_task(other_work())
-        assert await buf.exchange(0, [], True, 4, False) == (None, [], None) and await buf.poll_tasks(4) == []
+        assert await buf.exchange(0, [], True, 4) == (None, [], 0) and await buf.poll_tasks(4) == []
         work.cancel()
         return ticks
     assert asyncio.run(main()) >= 10        # ~90 ticks in the 0.9 s of round trips; 0 when they block
