@@ -60,8 +60,19 @@ def start_worker(specs, meta, out, **kw):
     return p
 
 
-def test_three_syncs_bit_exact_in_the_engine_dtype_through_two_reused_buffers(tmp_path, device="cpu",
-                                                                              worker=None):
+# on a GPU machine (not run here) the same code over CUDA IPC; the second as under --colocate: the trainer
+# rank's buffers on its cuda:1, the engine's worker seeing only that GPU (CUDA_VISIBLE_DEVICES=1) as its
+# cuda:0, so the handle's device index must be the worker's own
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.parametrize("device, worker", [
+    ("cpu", None),
+    pytest.param("cuda:0", {"device": "cuda:0"}, marks=needs_cuda, id="cuda"),
+    pytest.param("cuda:1", {"device": "cuda:0", "visible": "1"}, marks=[needs_cuda, needs_2_gpus],
+                 id="cuda-worker-numbers-the-gpu-otherwise")])
+def test_three_syncs_bit_exact_in_the_engine_dtype_through_two_reused_buffers(tmp_path, device, worker):
     sender = IpcSender(timeout_s=60, bucket_bytes=4096, device=device)
     meta = weight_meta(FLOATS, "bfloat16")                          # the engine's dtype: cast by the sender
     assert len(plan_buckets(meta, 4096)) > BUFFERS                   # buffers must be reused within a sync
@@ -171,26 +182,10 @@ def test_the_shared_memory_of_a_killed_sender_is_unlinked():
 
 # ---------------------------------------------------------------------------------------------
 # on a GPU machine (not run here): CUDA IPC, the same code
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@gpu
-def test_cuda_ipc_bit_exact_through_two_reused_buffers(tmp_path):
-    test_three_syncs_bit_exact_in_the_engine_dtype_through_two_reused_buffers(
-        tmp_path, "cuda:0", {"device": "cuda:0"})
-
-
-@gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cuda_ipc_into_a_worker_that_numbers_the_gpu_otherwise(tmp_path):
-    """As under --colocate: the trainer rank's buffers on its cuda:1, the engine's worker seeing only that
-    GPU (CUDA_VISIBLE_DEVICES=1), as its cuda:0; the handle's device index is the worker's own."""
-    test_three_syncs_bit_exact_in_the_engine_dtype_through_two_reused_buffers(
-        tmp_path, "cuda:1", {"device": "cuda:0", "visible": "1"})
-
-
-@gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_cuda
+@needs_2_gpus
 def test_cuda_ipc_into_a_worker_on_another_gpu_is_refused_naming_both(tmp_path):
     sender = IpcSender(timeout_s=60, bucket_bytes=4096, device="cuda:0")
     meta = weight_meta(FLOATS)
