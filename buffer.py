@@ -276,22 +276,28 @@ class ManagerQueues:
         self.served = manager.get_queues()
 
     @classmethod
-    def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int) -> "ManagerQueues":
+    def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int,
+              bind: str | None = None) -> "ManagerQueues":
+        """Listen on (bind, port); bind None: host, the address the clients connect() to. bind "": every
+        interface (a multi-node job: train.py), since node 0 may resolve its own name to a loopback
+        address that no other node reaches (Ubuntu's 127.0.1.1 for the hostname)."""
+        bind = host if bind is None else bind
+        where = f"{bind or '*'}:{port}"
         with socket.socket() as probe:     # a port in use: say so (the manager would fail later, obscurely)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the manager's own listener
             try:
-                probe.bind((host, port))
+                probe.bind((bind, port))
             except OSError as e:
-                raise OSError(f"buffer: the queue server's port {host}:{port} is in use ({e.strerror}): "
+                raise OSError(f"buffer: the queue server's port {where} is in use ({e.strerror}): "
                               f"another run on this MASTER_PORT (the queue server takes MASTER_PORT + 1)? "
                               f"Pick another --master-port") from None
-        m = _QueueManager(address=(host, port), authkey=authkey)
+        m = _QueueManager(address=(bind, port), authkey=authkey)
         m.start(initializer=die_with_parent)    # the server process ends with trainer rank 0, even on SIGKILL
         return cls(m, num_ranks)
 
     @classmethod
     def connect(cls, host: str, port: int, authkey: bytes, num_ranks: int,
-                timeout_s: float = 120) -> "ManagerQueues":
+                timeout_s: float = 120, who: str = "buffer") -> "ManagerQueues":
         deadline = time.monotonic() + timeout_s
         while True:  # the server may not be up yet: retry until the deadline
             try:
@@ -300,7 +306,7 @@ class ManagerQueues:
                 return cls(m, num_ranks)
             except (ConnectionRefusedError, OSError) as e:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"buffer: could not reach the queue server at {host}:{port} "
+                    raise TimeoutError(f"{who}: could not reach the queue server at {host}:{port} "
                                        f"within {timeout_s:.0f}s ({e})") from None
                 time.sleep(0.5)
 
@@ -440,6 +446,17 @@ class SampleBuffer:
 ORDERS = ("oldest", "freshest")     # GroupAssembler.take: which complete groups go to the trainer first
 
 
+class Lost(enum.StrEnum):
+    """Why a group was given up on (GroupAssembler.lost); the value names its counters (samples_<value>,
+    groups_<value>). With trained and filtered, these are every way an admitted group can end."""
+    STALE = "dropped_stale"        # a sample too old for the async ratio (or aborted as such by a rank)
+    FAILED = "failed"              # samples given up on (env failures, a dead engine) left < G to come
+    DEFERRED = "deferred"          # tail batching gave up on it (defer): the prompt runs in a long round
+    INTERRUPTED = "interrupted"    # its rank ended its work otherwise (--colocate's SLEEP): re-admitted
+    # A rank that ends a task on its own, not at the controller's request, sends one notice per sample: a
+    # failed Sample with meta["aborted"] = the Lost value, so the controller learns of every group's end.
+
+
 class GroupAssembler:
     """Collects samples into GRPO groups of `group_size` by group_id.
 
@@ -449,17 +466,21 @@ class GroupAssembler:
       sampling) and counted, when `filter_groups`.
     - take() re-checks freshness against the version it is given, so a group that completed under
       an older version and then went stale is never returned.
-    - Redundant rollout runs more samples of a group than it needs: the first `group_size` to
-      arrive make the group; later ones are surplus, dropped and counted.
+    - Redundant rollout runs more samples of a group than it needs (expect(group, n)): the first
+      `group_size` to arrive make the group; later ones are surplus, dropped and counted.
+    - A sample the rollout side gives up on (failed and not retrying, or a rank's abort notice naming
+      its Lost reason) kills its group only once fewer than `group_size` of the group's samples can still
+      arrive; the group is then lost for that sample's reason (Lost).
     - take() hands out complete groups oldest first (order="oldest": in the order they completed)
       or freshest first (order="freshest": by the version of their oldest token, newest first; ties
       in completion order), the paper's preference for fresher samples. Either way only fresh ones.
     - defer() gives up on a group that is not complete (tail batching: its prompt runs again in a long
-      round); its samples so far, and any that arrive later, are counted in samples_deferred.
-    Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or
-    one of the counters (samples_dropped_stale, samples_filtered, samples_failed, samples_surplus,
-    samples_deferred).
-    The ids of resolved groups (closed or dead) are forgotten FORGET_AFTER versions past the freshness
+      round).
+    Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or one of
+    the counters (samples_filtered, samples_surplus, samples_<Lost>); a sample that arrives for a lost group
+    is counted under that group's reason, a failed one or a notice under its own. Every group ends once:
+    taken, filtered, or groups_<Lost>.
+    The ids of resolved groups (closed or lost) are forgotten FORGET_AFTER versions past the freshness
     window, so a long run's memory stays flat; a straggler of a forgotten group then waits as a
     pending group of its own until it is stale, and is counted as dropped stale.
     """
@@ -475,69 +496,80 @@ class GroupAssembler:
         self.order = order
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
-        self.dead: set[str] = set()       # groups that can no longer complete
-                                          # (stale, or a sample given up on)
+        self.lost: dict[str, Lost] = {}   # groups that can no longer complete, and why
         self.closed: set[str] = set()     # groups completed (ready, taken or filtered)
-        # (version, id) into closed/dead; id -> its latest such version
+        self.expected: dict[str, int] = {}   # unresolved groups running more than group_size samples
+        self.given_up: dict[str, int] = {}   # unresolved groups' samples that will never arrive
+        # (version, id) into closed/lost; id -> its latest such version
         self.resolved: collections.deque[tuple[int, str]] = collections.deque()
         self.resolved_at: dict[str, int] = {}
-        self.samples_dropped_stale = 0
         self.samples_filtered = 0
-        self.samples_failed = 0
         self.samples_surplus = 0
         self.groups_filtered = 0
-        self.groups_dropped_stale = 0
-        self.groups_failed = 0            # groups with a sample the rollout side gave up on
-        self.samples_deferred = 0
-        self.groups_deferred = 0          # groups given up on by defer() (tail batching)
-        self.deferred: set[str] = set()   # their ids (a subset of dead)
+        for why in Lost:
+            setattr(self, f"samples_{why}", 0)
+            setattr(self, f"groups_{why}", 0)
         # examples for error messages (controller's stall report)
         self.last_failed: Sample | None = None
         self.last_filtered: list[Sample] | None = None
 
+    @property
+    def dead(self):
+        """The ids of the groups that can no longer complete (a view of lost's keys)."""
+        return self.lost.keys()
+
+    def _count(self, why: Lost, samples: int, groups: int = 0):
+        setattr(self, f"samples_{why}", getattr(self, f"samples_{why}") + samples)
+        setattr(self, f"groups_{why}", getattr(self, f"groups_{why}") + groups)
+
     def _fresh(self, s: Sample, version: int) -> bool:
         return fresh(s.oldest_version, version, self.async_ratio)
 
-    def _resolve(self, ids: set[str], group_id: str, version: int):
-        ids.add(group_id)
+    def _resolve(self, group_id: str, version: int):
         self.resolved.append((version, group_id))
         self.resolved_at[group_id] = version
+        self.expected.pop(group_id, None)
+        self.given_up.pop(group_id, None)
 
-    def _kill(self, group_id: str, samples: list[Sample], version: int):
-        self._resolve(self.dead, group_id, version)
-        self.samples_dropped_stale += len(samples)
-        self.groups_dropped_stale += 1
+    def _lose(self, group_id: str, why: Lost, version: int, samples: list[Sample] | None = None):
+        """Give up on a group: its samples held (pending, or `samples`) are counted under `why`."""
+        held = self.pending.pop(group_id, []) if samples is None else samples
+        self._count(why, len(held), groups=1)
+        self.lost[group_id] = why
+        self._resolve(group_id, version)
+
+    def expect(self, group_id: str, num_samples: int):
+        """The group runs num_samples samples (> group_size: redundancy); the first group_size make it."""
+        self.expected[group_id] = num_samples
 
     def add(self, s: Sample, version: int):
+        gid = s.group_id
         if s.failed:
-            self.samples_failed += 1
-            self.last_failed = s
-            if (not s.meta.get("retrying", True) and s.group_id not in self.closed
-                    and s.group_id not in self.dead):
-                # the rollout side gave up on this sample: its group can never complete (counted
-                # once: a group already lost, say as stale, is not lost again)
-                dropped = self.pending.pop(s.group_id, [])
-                self._resolve(self.dead, s.group_id, version)
-                self.samples_failed += len(dropped)
-                self.groups_failed += 1
+            why = Lost(s.meta.get("aborted", Lost.FAILED))
+            if why is Lost.FAILED:
+                self.last_failed = s
+            self._count(why, 1)
+            if s.meta.get("retrying", True) or gid in self.closed or gid in self.lost:
+                return             # another attempt follows, or the group is resolved already
+            self.given_up[gid] = self.given_up.get(gid, 0) + 1
+            if self.expected.get(gid, self.group_size) - self.given_up[gid] < self.group_size:
+                self._lose(gid, why, version)    # too few samples can still arrive
             return
-        if s.group_id in self.dead:
-            if s.group_id in self.deferred:
-                self.samples_deferred += 1
-            else:
-                self.samples_dropped_stale += 1
+        if gid in self.lost:
+            self._count(self.lost[gid], 1)
             return
-        if s.group_id in self.closed:
+        if gid in self.closed:
             self.samples_surplus += 1
             return
-        group = self.pending.setdefault(s.group_id, [])
+        group = self.pending.setdefault(gid, [])
         group.append(s)
         if not self._fresh(s, version):
-            self._kill(s.group_id, self.pending.pop(s.group_id), version)
+            self._lose(gid, Lost.STALE, version)
             return
         if len(group) == self.group_size:
-            del self.pending[s.group_id]
-            self._resolve(self.closed, s.group_id, version)
+            del self.pending[gid]
+            self.closed.add(gid)
+            self._resolve(gid, version)
             if self.filter_groups and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1
                 self.samples_filtered += len(group)
@@ -548,12 +580,9 @@ class GroupAssembler:
     def defer(self, group_id: str, version: int):
         """Give up on a group that is not complete (not ready, not resolved): its samples so far are
         counted as deferred, and so are any that arrive later."""
-        if group_id in self.closed or group_id in self.dead:
+        if group_id in self.closed or group_id in self.lost:
             raise ValueError(f"defer: group {group_id} is already resolved")
-        self.samples_deferred += len(self.pending.pop(group_id, []))
-        self._resolve(self.dead, group_id, version)
-        self.deferred.add(group_id)
-        self.groups_deferred += 1
+        self._lose(group_id, Lost.DEFERRED, version)
 
     def evict_stale(self, version: int) -> list[str]:
         """Drop pending and ready groups holding a sample that is stale at `version`; returns
@@ -561,14 +590,14 @@ class GroupAssembler:
         dropped = []
         for gid, group in list(self.pending.items()):
             if not all(self._fresh(s, version) for s in group):
-                self._kill(gid, self.pending.pop(gid), version)
+                self._lose(gid, Lost.STALE, version)
                 dropped.append(gid)
         keep = []
         for group in self.ready:
             if all(self._fresh(s, version) for s in group):
                 keep.append(group)
             else:
-                self._kill(group[0].group_id, group, version)
+                self._lose(group[0].group_id, Lost.STALE, version, samples=group)
                 dropped.append(group[0].group_id)
         self.ready = keep
         horizon = version - self.async_ratio - self.FORGET_AFTER
@@ -577,8 +606,7 @@ class GroupAssembler:
             if self.resolved_at.get(gid) == v:                      # (not resolved again since)
                 del self.resolved_at[gid]
                 self.closed.discard(gid)
-                self.dead.discard(gid)
-                self.deferred.discard(gid)
+                self.lost.pop(gid, None)
         return dropped
 
     def take(self, num_groups: int, version: int) -> list[list[Sample]]:

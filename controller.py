@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Phase, RolloutTask, SampleBuffer
+from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Lost, Phase, RolloutTask, SampleBuffer
 from config import flag, opt
-from losses import group_advantages
+from losses import estimate_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
 from tail import Round, TailBatcher
 from task import Problem
@@ -45,8 +45,16 @@ class ControllerConfig:
     env: str = opt("", "multi-turn environment name (envs.ENVS); empty = single-turn RLVR")
     env_redundancy: int = opt(0, "multi-turn: extra trajectories per group; the first group-size to finish "
                                  "are kept")
+    max_gen_batches: int = opt(0, "dynamic filtering: once a step's complete groups (filtered or kept) "
+                                  "reach this many batches (x --batch-groups) and its batch is still short, "
+                                  "stop resampling (verl's max_num_gen_batches); 0 = no bound")
+    on_max_gen_batches: str = opt("error", "at --max-gen-batches: error (end the run, saying why) | train "
+                                           "(train this step on the groups that are ready)")
     timeout_s: float = opt(600.0, "max wait for any queue, ack or collective before failing (also: no new "
                                   "ready group for this long is a stall)")
+    startup_timeout_s: float = opt(1800.0, "max wait for each start-up phase: an engine's start (vLLM's own "
+                                           "VLLM_ENGINE_READY_TIMEOUT_S is set a minute above it), a rollout "
+                                           "rank's connect to the queue server, the engines' READY")
     heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
     tail_batching: bool = opt(False, "RollPacker's tail batching: short rounds over-sample prompts "
                                      "(--tail-oversample) and defer every group not done within "
@@ -68,8 +76,12 @@ class ControllerConfig:
             raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {self.sample_order!r}")
         if self.rollout_mode not in ("queue", "batch"):
             raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.max_gen_batches < 0 or self.on_max_gen_batches not in ("error", "train"):
+            raise ValueError(f"--max-gen-batches must be >= 0 and --on-max-gen-batches 'error' or 'train', "
+                             f"got {self.max_gen_batches} and {self.on_max_gen_batches!r}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.tail_oversample < 1 or self.tail_extra_samples < 0:
             raise ValueError(f"--tail-oversample must be >= 1 and --tail-extra-samples >= 0, got "
                              f"{self.tail_oversample} and {self.tail_extra_samples}")
@@ -135,11 +147,12 @@ class AsyncController:
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
         self._long_taken = 0
         self.taken_before_step = 0             # groups_taken when this step's collect began
+        self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
 
     # --- schedule
     def _groups_lost(self) -> int:
-        asm = self.asm
-        return asm.groups_filtered + asm.groups_dropped_stale + asm.groups_failed + asm.groups_deferred
+        """Admitted groups that ended without being trained: filtered, or lost for a reason of Lost."""
+        return self.asm.groups_filtered + sum(getattr(self.asm, f"groups_{why}") for why in Lost)
 
     def admission_capacity(self) -> int:
         """How many more groups may be admitted now (see module docstring; tail batching: tail.py)."""
@@ -188,6 +201,7 @@ class AsyncController:
                                                                                  not self.cfg.env))
             if tasks_per_group > self.cfg.group_size:
                 self.extra.add(gid)
+                self.asm.expect(gid, tasks_per_group)
             if self.cfg.replicate:
                 tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
                           for j in range(tasks_per_group)]
@@ -242,29 +256,37 @@ class AsyncController:
             except TimeoutError:
                 continue                                 # a heartbeat, a replaced engine, or the stall report
             if s.meta.get("eval"):
-                self._eval_add(s)                        # evaluation: scored, never trained
+                await self._eval_add(s)                  # evaluation: scored, never trained
                 continue
-            closed_before, alive_before = len(asm.closed), s.group_id not in asm.dead
+            gid = s.group_id
+            closed_before, alive_before = len(asm.closed), gid not in asm.dead
             asm.add(s, self.version)
-            self.failed_received += s.failed
+            self.failed_received += s.failed and "aborted" not in s.meta   # (not a rank's abort notice)
             if not s.failed:
                 self.step_rewards.append(s.reward)
-            if alive_before and s.group_id in asm.dead:
-                await self._abort_groups([s.group_id])   # lost (given up, or stale): stop its other samples
-                if s.meta.get("engine_lost") and s.group_id in self.problem_of:
-                    self.readmit.append(self.problem_of[s.group_id])   # not the prompt's fault: run it again
-            elif s.group_id in self.extra and len(asm.closed) > closed_before:
-                await self._abort_groups([s.group_id])   # redundant samples: the rest is surplus
-            if s.group_id in asm.dead or (s.group_id in asm.closed and not asm.is_ready(s.group_id)):
-                self._forget(s.group_id)                 # lost or filtered: no longer a prompt in flight
+            if alive_before and gid in asm.dead:
+                await self._abort_groups([gid])          # lost (given up, or stale): stop its other samples
+                if gid in self.problem_of and (s.meta.get("engine_lost")
+                                               or asm.lost[gid] is Lost.INTERRUPTED):
+                    self.readmit.append(self.problem_of[gid])   # not the prompt's fault: run it again
+            elif gid in self.extra and len(asm.closed) > closed_before:
+                await self._abort_groups([gid])          # redundant samples: the rest is surplus
+            if gid in asm.dead or (gid in asm.closed and not asm.is_ready(gid)):
+                self._forget(gid)                        # lost or filtered: no longer a prompt in flight
+            n_ready = len(committed) + asm.num_ready()
+            if n_ready < cfg.batch_groups and self._filtering_spins(before, n_ready):
+                break                                    # --on-max-gen-batches train: what it has
             # lost groups free admission capacity: queue mode refills at once; batch mode only
-            # starts another round once the whole round is in (its barrier)
-            if cfg.rollout_mode == "queue" or self._all_admitted_done():
+            # starts another round once the whole round is in (its barrier), and only when filtering
+            # left it short of a batch
+            if cfg.rollout_mode == "queue" or (n_ready < cfg.batch_groups and self._all_admitted_done()):
                 await self.admit()
         groups = asm.take(cfg.batch_groups - len(committed), self.version)
         for g in groups:
             self._taken(g)
         groups = committed + groups
+        if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
+            raise RuntimeError(self._spin_report(before, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
@@ -296,6 +318,33 @@ class AsyncController:
                         prompts_long_dropped=self.tb.long_dropped - before["long_dropped"])
         self._collect_span = [wall0, time.time()]
         return batch, info
+
+    def _filtering_spins(self, before: dict, n_ready: int) -> bool:
+        """Dynamic filtering that keeps resampling: warn once a run when most of a step's complete groups
+        were filtered; past --max-gen-batches batches of complete groups in one step, fail with a clear
+        error (--on-max-gen-batches error) or end the step with what is ready (train: True)."""
+        cfg, filtered = self.cfg, self.asm.groups_filtered - before["filtered"]
+        if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
+                and filtered >= 4 * n_ready):
+            self._warned_filtering = True
+            self.log(f"dynamic filtering: {self._spin_report(before)}. --max-gen-batches N bounds the "
+                     f"resampling per step; --filter-groups false trains on such groups")
+        if not cfg.max_gen_batches or filtered + n_ready < cfg.max_gen_batches * cfg.batch_groups:
+            return False
+        if cfg.on_max_gen_batches == "error" or n_ready == 0:
+            raise RuntimeError(f"{self.buffer.who}: --max-gen-batches {cfg.max_gen_batches} reached: "
+                               + self._spin_report(before, f"and only {n_ready} of {cfg.batch_groups} "
+                                                           f"groups are ready (--on-max-gen-batches train "
+                                                           f"trains what is ready)"))
+        return True
+
+    def _spin_report(self, before: dict, tail: str = "") -> str:
+        filtered = self.asm.groups_filtered - before["filtered"]
+        mean = sum(self.step_rewards) / max(len(self.step_rewards), 1)
+        step = self.version - self.version0 + 1
+        return (f"{filtered} groups completed in step {step} had all-equal rewards "
+                f"(reward mean {mean:.3f}: the task is too hard or too easy for the model) "
+                f"{tail}").rstrip()
 
     def _commit(self, committed: list, on_group):
         """Streaming: hand the ready groups to the trainer at once, up to the batch."""
@@ -504,13 +553,15 @@ class AsyncController:
             self.last_engine[ack.rank] = e
         return busy / elapsed if elapsed > 0 else 0.0
 
-    async def _wait_acks(self, phase: Phase, version: int | None) -> list[Ack]:
-        """Wait until every rollout rank acked `phase` for `version`. Acks of other phases that
-        arrive meanwhile are kept for later (each rank's acks arrive in the order it sent them).
-        A timeout names the ranks still missing."""
+    async def _wait_acks(self, phase: Phase, version: int | None, startup: bool = False) -> list[Ack]:
+        """Wait until every rollout rank acked `phase` for `version`, within --timeout-s (startup:
+        --startup-timeout-s). Acks of other phases that arrive meanwhile are kept for later (each rank's
+        acks arrive in the order it sent them). A timeout names the ranks still missing and the flag."""
         def match(a: Ack):
             return a.phase == phase and a.version == version
-        deadline = now() + self.cfg.timeout_s
+        name = "startup_timeout_s" if startup else "timeout_s"
+        timeout = getattr(self.cfg, name)
+        deadline = now() + timeout
         while sum(map(match, self.acks)) < self.num_ranks:
             try:
                 self.acks.append(await self.buffer.get_ack(f"{phase} acks",
@@ -520,7 +571,7 @@ class AsyncController:
                 missing = [r for r in range(self.num_ranks) if r not in got]
                 raise TimeoutError(f"{self.buffer.who}: rollout rank(s) {missing} did not ack {phase}"
                                    + (f" for version {version}" if version is not None else "")
-                                   + f" within {self.cfg.timeout_s:.0f}s") from None
+                                   + f" within {timeout:.0f}s ({flag(name)})") from None
         got = [a for a in self.acks if match(a)]
         self.acks = [a for a in self.acks if not match(a)]
         if self.events is not None:
@@ -541,7 +592,7 @@ class AsyncController:
         """Wait until every rollout rank reports its engine up (ack READY). With probe_ref (the
         trainer's logprobs of the probe), compare the engines' own: do they start from the same
         weights? Returns that check in finish_sync's terms, for version `self.version`."""
-        acks = await self._wait_acks(Phase.READY, None)
+        acks = await self._wait_acks(Phase.READY, None, startup=True)
         self.unreported = {"synced_version": self.version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
                            "rollout_utilisation": self._utilisation(acks)}
         return self.unreported
@@ -559,13 +610,17 @@ class AsyncController:
             tasks.append(RolloutTask(f"{gid}.greedy", gid, p, 1, self.version, "", eval_temperature=0.0))
             tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, self.version, "", eval_temperature=1.0)
                       for j in range(k)]
-        self.eval_round = {"version": self.version, "k": k, "left": len(tasks), "greedy": [], "sampled": []}
+        self.eval_round = {"version": self.version, "k": k, "left": len(tasks), "greedy": [], "sampled": [],
+                           "tasks": {t.task_id: t for t in tasks}}
         await self.buffer.put_tasks(tasks)
 
-    def _eval_add(self, s):
+    async def _eval_add(self, s):
         r = self.eval_round
-        if r is None or (s.failed and s.meta.get("retrying")):
-            return                                      # another attempt follows
+        if r is None or s.task_id not in r["tasks"] or (s.failed and s.meta.get("retrying")):
+            return                                      # another attempt follows (or not this round's)
+        if s.meta.get("aborted"):                       # its rank ended it (--colocate's SLEEP): run it again
+            await self.buffer.put_tasks([r["tasks"][s.task_id]])
+            return
         (r["greedy"] if s.task_id.endswith(".greedy") else r["sampled"]).append(0.0 if s.failed else s.reward)
         r["left"] -= 1
 
@@ -584,7 +639,7 @@ class AsyncController:
         while self.eval_round is not None and self.eval_round["left"] > 0:
             s = await self.buffer.get_sample(timeout=self.cfg.timeout_s)
             if s.meta.get("eval"):
-                self._eval_add(s)
+                await self._eval_add(s)
             else:
                 self.samples_unconsumed += 1
         return self.eval_result()
@@ -595,6 +650,7 @@ class AsyncController:
         out = {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
                "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
                "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
+               "groups_interrupted": asm.groups_interrupted,
                "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed}
         if self.tb is not None:
             out.update(prompts_deferred=self.tb.deferred, prompts_long_dropped=self.tb.long_dropped,
@@ -646,13 +702,15 @@ class Step(NamedTuple):
     train_s: float       # seconds in train (event-loop time)
 
 
-async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None, stream=None) -> Step:
+async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None, stream=None,
+                  adv_estimator: str = "grpo") -> Step:
     """One step of the loop every runner shares (train.py, the simulator, the benchmarks, the study):
     collect B fresh groups -> group advantages -> train -> sync the new weights into the engines.
     train: async (batch, advantages, version) -> (metrics, probe_ref or None); send_fn, meta, group:
     as sync_weights'. stream: a stream.TrainStream (the streaming trainer), which trains each group as
     it completes, in place of `train`; then train_s is what is left once the batch is complete.
-    metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
+    adv_estimator: losses.ADV_ESTIMATORS' name for the whole batch's advantages (--adv-estimator; a
+    stream has its own). metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
     if stream is not None:
         stream.begin(ctrl.version)
         batch, info = await ctrl.collect(on_group=stream.add)                    # trains as groups come
@@ -661,7 +719,8 @@ async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None, 
         train_s = now() - t
     else:
         batch, info = await ctrl.collect()                                        # schedule + run
-        advantages = group_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size).tolist()
+        advantages = estimate_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size,
+                                         adv_estimator).tolist()
         t = now()                                                                 # loop time (sim: virtual)
         metrics, probe_ref = await train(batch, advantages, ctrl.version)
         train_s = now() - t

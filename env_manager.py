@@ -20,7 +20,7 @@ import asyncio
 import collections
 import math
 
-from buffer import Ack, Cmd, Command, Phase, RolloutTask, Sample, fresh
+from buffer import Ack, Cmd, Command, Lost, Phase, RolloutTask, Sample, fresh
 from deadline import MIN_SAMPLES, WINDOW, EnvDeadline  # noqa: F401 (tests import them from here)
 from envs import ENVS, PromptFormat
 from proxy import EngineError, Status, now
@@ -174,7 +174,8 @@ class EnvManager:
                                                                     name=f"rank{self.rank}:sync")
             self.sync_task.add_done_callback(lambda _: self.wake.set())     # the loop reports its end
         elif cmd.kind == Cmd.SLEEP:          # colocated: the trainer needs this GPU's memory now
-            await self._abort(list(self.jobs), "aborted_by_request")
+            await self._abort(list(self.jobs), "aborted_by_request", notice=Lost.INTERRUPTED)
+            await self._flush()    # (the notices: the controller re-admits what the sleep ended)
             await self.proxy.sleep()
             await self.buffer.put_ack(Ack(self.rank, Phase.SLEPT))
         elif cmd.kind == Cmd.ABORT_GROUPS:
@@ -218,7 +219,7 @@ class EnvManager:
             stale = [tid for tid, (t, _) in self.jobs.items() if tid in running
                      and t.eval_temperature is None                         # (evaluation is never trained)
                      and not fresh(self._oldest_version(tid), v, self.async_ratio)]
-            await self._abort(stale, "aborted_stale")
+            await self._abort(stale, "aborted_stale", notice=Lost.STALE)
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:
             # The broadcast failed. If this engine died, a new one; if another member did (the group
@@ -324,13 +325,8 @@ class EnvManager:
                 job.cancel()
             await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s) if jobs else None
             for t in self.lost + [t for t, _ in jobs]:
-                for i in range(t.num_samples):
-                    self.counters["samples_lost_to_engine"] += 1
-                    self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
-                                      rank=self.rank, admit_version=t.admit_version, failed=True,
-                                      meta={"error": f"engine lost: {failure}", "retrying": False,
-                                            "engine_lost": True, "sample_index": i, "timeout": False,
-                                            "eval": t.eval_temperature is not None}))
+                self.counters["samples_lost_to_engine"] += t.num_samples
+                self._give_up(t, f"engine lost: {failure}", engine_lost=True)
             self.lost, self.engine_failure = [], None
             await self._flush()
             self.proxy.replace_engine(await self.restart_engine())
@@ -347,9 +343,20 @@ class EnvManager:
         trajs = self.trajs.get(task_id, {})
         return min((tr.oldest_version for tr in trajs.values()), default=self.proxy.version)
 
-    async def _abort(self, task_ids: list[str], counter: str | None):
+    def _give_up(self, t: RolloutTask, error: str, **meta):
+        """Tell the controller that t's samples will never come: one failed sample per sample, not retried,
+        so that its group is resolved (buffer.GroupAssembler.add) and frees its admission place."""
+        for i in range(t.num_samples):
+            self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
+                              rank=self.rank, admit_version=t.admit_version, failed=True,
+                              meta={"error": error, "retrying": False, "sample_index": i, "timeout": False,
+                                    "eval": t.eval_temperature is not None, **meta}))
+
+    async def _abort(self, task_ids: list[str], counter: str | None, notice: Lost | None = None):
         """End these tasks: abort their engine requests first (so the engine drops them), then
-        cancel their loops and wait for them to unwind. No sample is sent for them."""
+        cancel their loops and wait for them to unwind. No sample is sent for them, unless `notice`
+        (an abort of the rank's own, which the controller did not ask for) sends one per sample saying
+        why."""
         jobs = [self.jobs[tid] for tid in task_ids if tid in self.jobs]
         if not jobs:
             return
@@ -362,6 +369,8 @@ class EnvManager:
             job.cancel()           # request before any await: the job cannot send a sample after this
             if counter:
                 self.counters[counter] += t.num_samples
+            if notice:
+                self._give_up(t, f"aborted by rollout rank {self.rank} ({notice})", aborted=str(notice))
         if rids and self.proxy.status != Status.STOPPED:
             await self.proxy.abort(rids)
         done, pending = await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s)

@@ -1,7 +1,7 @@
 """losses.py: the off-policy policy-gradient objectives, as pure functions (tensors in, loss out).
 
     loss, metrics = compute_policy_loss(logp, old_logp, advantages, mask, "ppo", clip_high=0.28)
-    adv = group_advantages(rewards, group_size=8)
+    adv = estimate_advantages(rewards, group_size=8, estimator="grpo")   # --adv-estimator
     kl, metrics = kl_penalty(logp, ref_logp, mask)     # --kl-coef's term: k3 to a reference, clamped
 
 Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behind the trained pi
@@ -15,7 +15,8 @@ Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behi
     topr           A > 0: -topr_pos_weight A logp; A <= 0: -topr_neg_weight sg(clip(r, 0, 1)) A logp
     gspo           ppo per sequence on s = exp(masked mean of logp - old_logp), A = sequence advantage
 
-`agg` is "token-mean" or "seq-mean-token-mean" over unmasked tokens. Metrics: clip_frac, ratio_mean,
+`agg` is "token-mean" or "seq-mean-token-mean" over unmasked tokens (--loss-agg auto: the latter for
+gspo, as its paper, the former for the others). Metrics: clip_frac, ratio_mean,
 ratio_max, is_weight_mean, behav_capped_frac, approx_kl (k3 estimate of KL(mu || pi)).
 
 Rollout correction, on top of any loss (--is-correction; rollout_correction(), the verl/slime style):
@@ -53,6 +54,55 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8, finite in the float32 (or float64) the math runs in
 
 
+# --- advantage estimators: rewards of consecutive groups of group_size samples (one prompt's) -> one
+# advantage per sample. A new one: a function (rewards [N], group_size) -> [N], and its entry in
+# ADV_ESTIMATORS; --adv-estimator picks it. The streaming trainer calls it on one group at a time, as the
+# groups complete, so an estimator that needs the whole batch (a batch-wide std) would not stream exactly.
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-baseline advantages: rewards [N] -> [N], each reward minus its group's mean, divided by the
+    group's std + eps when `scale` (grpo; drgrpo without). Groups are consecutive runs of `group_size`
+    rewards (the samples of one prompt). The std is the population std (divide by G, not G - 1): it is
+    defined for group_size 1 (advantage 0), and equals TRL's / verl's unbiased std times
+    sqrt((G - 1) / G). A group with equal rewards gets advantage 0."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    n = rewards.shape[0]
+    if n % group_size != 0:
+        raise ValueError(f"number of rewards {n} is not a multiple of group_size {group_size}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    g = rewards.view(-1, group_size)                               # [N / G, G]
+    adv = g - g.mean(-1, keepdim=True)
+    if scale:
+        adv = adv / (g.std(-1, correction=0, keepdim=True) + eps)
+    return adv.reshape(n)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): each reward minus its group's mean, over the group's std + 1e-6."""
+    return group_advantages(rewards, group_size, scale=True)
+
+
+def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025): each reward minus its group's mean, unscaled (the std's division
+    weighs groups of nearly equal rewards up; its other change, a length-free aggregation, is not here)."""
+    return group_advantages(rewards, group_size, scale=False)
+
+
+ADV_ESTIMATORS = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages}
+
+
+def estimate_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "grpo") -> torch.Tensor:
+    """rewards [N] -> advantages [N] by the estimator registered under that name (--adv-estimator)."""
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"--adv-estimator {estimator!r}: known: {', '.join(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[estimator](rewards, group_size)
+
+
 @dataclass
 class LossConfig:
     """--loss and compute_policy_loss's hyperparameters, one field (one --flag) each, named as its keyword
@@ -71,7 +121,11 @@ class LossConfig:
     topr_neg_weight: float = opt(1.0, "topr: weight of A <= 0 tokens (Le Roux et al. 2025)")
     gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
     gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
-    loss_agg: str = opt("token-mean", "loss aggregation: " + " | ".join(AGG_MODES))
+    loss_agg: str = opt("auto", "loss aggregation: " + " | ".join(AGG_MODES) + " | auto (each loss's own: "
+                                "seq-mean-token-mean for gspo, as its paper; token-mean for the others)")
+    adv_estimator: str = opt("grpo", "advantages from each group's rewards: " + " | ".join(ADV_ESTIMATORS)
+                             + " (losses.ADV_ESTIMATORS: grpo = (r - group mean) / (group std + eps); "
+                             "drgrpo = r - group mean, unscaled, Dr. GRPO's)")
     is_correction: str = opt("none", "rollout correction on top of --loss, weight from pi_prox / mu (the "
                                      "trainer before the update / the engine): " + " | ".join(CORRECTIONS))
     is_level: str = opt("token", "rollout correction's ratio: per token, or per sequence (the product)")
@@ -83,6 +137,10 @@ class LossConfig:
                               "added to the loss; 0 = off, and no reference model is loaded")
 
     def __post_init__(self):
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            raise ValueError(f"--adv-estimator {self.adv_estimator!r}: known: {', '.join(ADV_ESTIMATORS)}")
+        if self.loss_agg not in (*AGG_MODES, "auto"):
+            raise ValueError(f"--loss-agg must be one of {', '.join(AGG_MODES)}, auto; got {self.loss_agg!r}")
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"--kl-coef must be >= 0 (0 = off), got {self.kl_coef}")
         if self.loss not in VARIANTS:
@@ -96,14 +154,22 @@ class LossConfig:
                         else ("gspo_" + name if gspo and name.startswith("clip") else name))
                 raise ValueError(f"{flag(name)} {rest}" + (" (0 = off)" if "None" in rest else "")) from None
 
+    @property
+    def agg(self) -> str:
+        """--loss-agg, auto resolved for this config's loss (gspo: per sequence; the others: per token)."""
+        if self.loss_agg != "auto":
+            return self.loss_agg
+        return "seq-mean-token-mean" if self.loss == "gspo" else "token-mean"
+
     def loss_kwargs(self, gspo: bool | None = None) -> dict:
         """compute_policy_loss's keywords for this config's loss (gspo has its own clip range)."""
         gspo = self.loss == "gspo" if gspo is None else gspo
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)
-              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high", "kl_coef")}
+              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high", "kl_coef",
+                                "adv_estimator")}
         if gspo:
             kw.update(clip_low=self.gspo_clip_low, clip_high=self.gspo_clip_high)
-        return {**kw, "agg": self.loss_agg, "dual_clip": self.dual_clip or None,
+        return {**kw, "agg": self.agg, "dual_clip": self.dual_clip or None,
                 "behav_weight_cap": self.behav_weight_cap or None}
 
 
@@ -285,12 +351,23 @@ def _ppo_clip(ratio, A, clip_low, clip_high, dual_clip):
 
 
 def _aggregate(loss_tok, m, agg):
-    """loss_tok [B, T] (zero where masked), m [B, T] bool -> scalar."""
+    """loss_tok [B, T] (zero where masked), m [B, T] bool -> scalar: a sum divided by agg_count(m, agg)."""
     if agg == "token-mean":
         return loss_tok.sum() / m.sum().clamp(min=1)
     n = m.sum(-1)                                                  # [B] tokens per sequence
     seq_loss = loss_tok.sum(-1) / n.clamp(min=1)                   # [B] token mean per sequence
     return seq_loss.sum() / (n > 0).sum().clamp(min=1)             # mean over non-empty sequences
+
+
+def agg_count(mask: torch.Tensor, agg: str) -> int:
+    """What `agg` divides a batch's summed loss by: mask [B, T]'s unmasked tokens (token-mean) or its
+    sequences with at least one (seq-mean-token-mean). The loss of a part of the batch (a micro-batch, a
+    rank's share) times its count, summed over the parts and divided by their total count, is the whole
+    batch's loss: how the trainer weighs micro-batches and ranks."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}, got {agg!r}")
+    m = mask != 0
+    return int(m.sum() if agg == "token-mean" else m.any(-1).sum())
 
 
 def check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
@@ -332,26 +409,3 @@ def _check_shapes(logp, old_logp, advantages, mask, prox_logp):
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                          f"{tuple(shape[:1])} or {tuple(shape)}")
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: rewards [N] -> [N], each reward minus its group's mean, divided by the
-    group's std + eps when `scale`. Groups are consecutive runs of `group_size` rewards (the samples
-    of one prompt). The std is the population std (divide by G, not G - 1): it is defined for
-    group_size 1 (advantage 0), and equals TRL's / verl's unbiased std times sqrt((G - 1) / G).
-    A group with equal rewards gets advantage 0."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    n = rewards.shape[0]
-    if n % group_size != 0:
-        raise ValueError(f"number of rewards {n} is not a multiple of group_size {group_size}")
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
-    g = rewards.view(-1, group_size)                               # [N / G, G]
-    adv = g - g.mean(-1, keepdim=True)
-    if scale:
-        adv = adv / (g.std(-1, correction=0, keepdim=True) + eps)
-    return adv.reshape(n)

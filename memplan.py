@@ -9,9 +9,10 @@ Per trainer rank (W ranks, FSDP2): float32 master weights, gradients and AdamW's
 1/W shard (LoRA: gradients and moments of the adapter only); under FSDP the gathered weights in use
 (the root's embeddings and head all step long, plus two decoder layers: the one computing and the
 prefetched one); activations at the micro-batch's token budget; one chunk of LM-head logits; --kl-coef's
-reference model (a 1/W shard, bfloat16 under --precision bf16). Per engine: the weights in the engine's
-dtype and the KV cache (--kv-cache-gib on CPU; on GPU --gpu-memory-utilization of the GPU, less the
-weights). Activation bytes per token per layer are counted from what a Qwen2/Llama decoder layer keeps
+reference model (a 1/W shard, bfloat16 under --precision bf16); under --colocate, the weight sync's
+(sync_bytes: the ipc buffers at the largest bucket, the weight in hand). Per engine: the weights in the
+engine's dtype and the KV cache (--kv-cache-gib on CPU; on GPU --gpu-memory-utilization of the GPU, less
+the weights). Activation bytes per token per layer are counted from what a Qwen2/Llama decoder layer keeps
 for backward (act_bytes); checked against measured peaks by tools/bench_trainer.py memplan.
 Design notes: DESIGN.md#trainerpy
 """
@@ -26,7 +27,9 @@ LOGIT_COPIES = 3              # [chunk, V] float32 blocks alive at once in the h
 def param_counts(hf_config, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> dict:
     """Parameter counts of the model that hf_config describes, from an instance on the meta device:
     total, layer (one decoder layer), root (what is not in a decoder layer: embeddings, final norm,
-    an untied head), adapter (LoRA: rank x (in + out) per targeted linear)."""
+    an untied head), adapter (LoRA: rank x (in + out) per targeted linear); sent: the shapes of what a
+    weight sync sends, in its order (trainer.named_weights: a tied head left out; LoRA: the adapter's A
+    [rank, in] and B [out, rank] per targeted linear)."""
     import torch
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
@@ -34,10 +37,29 @@ def param_counts(hf_config, lora_rank: int = 0, lora_targets: tuple[str, ...] = 
     total = sum(p.numel() for p in model.parameters())        # (a tied head is the embedding: counted once)
     layers = model.model.layers
     layer = sum(p.numel() for p in layers[0].parameters())
-    adapter = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in lora_targets)
+    targeted = [m for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in lora_targets]
+    adapter = sum(lora_rank * (m.in_features + m.out_features) for m in targeted)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    sent = ([s for m in targeted for s in ([lora_rank, m.in_features], [m.out_features, lora_rank])]
+            if lora_rank else [list(t.shape) for n, t in model.state_dict().items()
+                               if not (tied and n == "lm_head.weight")])
     return {"total": total, "layer": layer, "num_layers": len(layers), "root": total - layer * len(layers),
-            "adapter": adapter}
+            "adapter": adapter, "sent": sent}
+
+
+def sync_bytes(counts: dict, dtype: str, bucket_bytes: int, buffers: int) -> int:
+    """Bytes a trainer rank holds for a weight sync: `buffers` flat bucket buffers, kept between syncs, each
+    the size of the largest bucket (weight_sync.plan_buckets: a bucket never splits a tensor, so it is at
+    least the largest weight: Qwen2.5-7B's embedding, 1.09 GB in bf16, against 64 MiB buckets), and the one
+    weight gathered at a time, in the engine's dtype."""
+    import torch
+
+    from weight_sync import meta_bytes, plan_buckets
+    meta = [("", shape, dtype) for shape in counts["sent"]]
+    buckets = [meta_bytes([meta[i] for i in idx]) for idx in plan_buckets(meta, bucket_bytes)]
+    largest = max(torch.Size(shape).numel() for shape in counts["sent"]) * getattr(torch, dtype).itemsize
+    return buffers * max(buckets) + largest
 
 
 def act_bytes(hf_config, compute: int) -> int:
@@ -97,10 +119,13 @@ COLOCATE_MAX_SHARE = 0.9
 def colocated_headroom(trainer: dict, bucket_bytes: int) -> float:
     """--colocate: what the trainer rank on an engine's GPU adds after the engine has started (it builds
     its model first) and holds while the engine is awake: gradients and AdamW moments (kept between
-    steps), the gathered weights of a sync, the two ipc buckets (weight_ipc.BUFFERS), and a margin.
-    Activations are not in it: the engine sleeps while the trainer trains."""
+    steps), the weights FSDP gathered, a sync's (the plan's "weight sync": the ipc buffers at the largest
+    bucket and the weight in hand; a plan without it: weight_ipc.BUFFERS buckets of bucket_bytes), and a
+    margin. Activations are not in it: the engine sleeps while the trainer trains."""
+    from weight_ipc import BUFFERS
     kept = ("gradients", "AdamW moments", "gathered weights")
-    return sum(trainer.get(k, 0.0) for k in kept) + 2 * bucket_bytes + COLOCATE_MARGIN
+    return (sum(trainer.get(k, 0.0) for k in kept) + trainer.get("weight sync", BUFFERS * bucket_bytes)
+            + COLOCATE_MARGIN)
 
 
 def colocated_share(total: float, free: float, headroom: float, weights: float) -> float:
@@ -136,6 +161,9 @@ def make_plan(hf_config, cfg, gpu: bool, model: str = "", gpu_gib: float | None 
     gpu_gib = gpu_gib or ASSUMED_GPU_GIB
     trainer = trainer_bytes(counts, hf_config, cfg.train_gpus, tc.precision == "bf16", tokens, context,
                             tc.grad_checkpointing == "on", tc.logits_chunk, tc.kl_coef > 0, lora)
+    if getattr(cfg, "colocate", False):      # held while the engine on the same GPU is awake
+        from weight_ipc import BUFFERS
+        trainer["weight sync"] = sync_bytes(counts, dtype, cfg.bucket_mb << 20, BUFFERS)
     share = rc.gpu_memory_utilization or 0.85
     if gpu and getattr(cfg, "colocate", False) and not rc.gpu_memory_utilization:   # as train.py picks it
         weights = engine_bytes(counts, hf_config, dtype, gpu, 0.0, 0.0, gpu_gib)["weights"]

@@ -73,10 +73,15 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _head_logprobs(head, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [n, H], targets [n] -> (logprob of each target [n], entropy [n] without grad), float32 at least."""
+def _head_logprobs(head, h: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [n, H], targets [n] -> (logprob of each target [n], entropy [n] without grad), float32 at least,
+    of softmax(logits / temperature): the distribution an engine sampling at that temperature draws from."""
     logits = head(h)                                                 # [n, V]: the chunk's big tensors
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature                                # (one more [n, V], only while T != 1)
+    logp = torch.log_softmax(logits, dim=-1)
     del logits                                                       # (one [n, V] fewer alive from here)
     with torch.no_grad():
         entropy = -logp.exp().mul_(logp).sum(-1)                     # -sum p log p, one [n, V] temporary
@@ -92,11 +97,12 @@ class PolicyNet(torch.nn.Module):
         super().__init__()
         self.model, self.chunk, self.autocast = model, chunk, autocast
 
-    def forward(self, input_ids, attention_mask, select) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids, attention_mask, select,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, attention_mask, select: [B, T]; select marks the columns whose token's logprob is
         wanted (column 0 never counts: no context). Returns logp and entropy [N], N = selected columns
         in row-major order: logp with grad, entropy without (the entropy of the distribution the
-        token was drawn from, i.e. at the position before it)."""
+        token was drawn from, i.e. at the position before it), both of softmax(logits / temperature)."""
         lm = causal_lm(self.model)
         with torch.autocast(input_ids.device.type, dtype=self.autocast or torch.bfloat16,
                             enabled=self.autocast is not None):
@@ -109,7 +115,7 @@ class PolicyNet(torch.nn.Module):
             # at least one chunk, even of 0 rows: every rank's backward then reaches the head's weight
             # (FSDP reduces the gradients of the same parameters on every rank)
             for i in range(0, max(len(h), 1), self.chunk):
-                piece = (h[i:i + self.chunk], targets[i:i + self.chunk])
+                piece = (h[i:i + self.chunk], targets[i:i + self.chunk], temperature)
                 outs.append(checkpoint(_head_logprobs, lm.lm_head, *piece, use_reentrant=False)
                             if torch.is_grad_enabled() else _head_logprobs(lm.lm_head, *piece))
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
@@ -117,16 +123,17 @@ class PolicyNet(torch.nn.Module):
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    mask: torch.Tensor | None = None, chunk: int = 1024,
-                   entropy: list | None = None) -> torch.Tensor:
+                   entropy: list | None = None, temperature: float = 1.0) -> torch.Tensor:
     """Logprob of every selected token given the tokens before it, under `model` (a PolicyNet, or an HF /
     PEFT causal LM, wrapped here). input_ids, attention_mask: [B, T], right-padded; mask [B, T]: the
     columns wanted (default: every real token). Returns [B, T] float32, 0 at column 0 (no context)
     and at unselected columns (float32; float64 for a float64 model); matches the engine's (float32).
-    entropy: a list that receives the selected positions' entropies [N] (no grad)."""
+    entropy: a list that receives the selected positions' entropies [N] (no grad). temperature: of
+    softmax(logits / temperature), the distribution an engine sampling at it reports (--temperature)."""
     net = model if isinstance(model, PolicyNet) else PolicyNet(model, chunk)
     select = (attention_mask if mask is None else mask * attention_mask) != 0           # [B, T]
     select[:, 0] = False
-    logp, ent = net(input_ids, attention_mask, select)                                # [N], [N]
+    logp, ent = net(input_ids, attention_mask, select, temperature=temperature)       # [N], [N]
     if entropy is not None:
         entropy.append(ent)
     return torch.zeros(select.shape, dtype=logp.dtype, device=input_ids.device).masked_scatter(select, logp)

@@ -54,8 +54,8 @@ class Status(enum.Enum):
 @dataclass
 class Sampling:
     max_tokens: int = 16          # response budget, tokens
-    temperature: float = 1.0      # RL samples from the policy itself: keep 1.0 so logprobs are the policy's
-    top_p: float = 1.0
+    temperature: float = 1.0      # the logprobs are of softmax(logits / temperature) (vllm_engine: processed)
+    top_p: float = 1.0            # < 1: the logprobs are of the truncated distribution, the trainer's are not
     ignore_eos: bool = False      # True: generate exactly max_tokens (benchmarks' drawn lengths)
     seed: int | None = None
     # the engine delivers a request's tokens in outputs of this many (its first token and its end at
@@ -136,10 +136,11 @@ class LLMProxy:
 
     @classmethod
     async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0,
-                         **engine_kwargs) -> "LLMProxy":
+                         startup_timeout_s: float | None = None, **engine_kwargs) -> "LLMProxy":
+        """The engine's start waits at most startup_timeout_s (None: max(timeout_s, 300))."""
         from vllm_engine import VLLMEngine     # (it imports this module: Sampling)
-        async with asyncio.timeout(max(timeout_s, 300)):
-            engine = await asyncio.to_thread(VLLMEngine.start, model_dir, **engine_kwargs)
+        engine = await VLLMEngine.start_async(model_dir, startup_timeout_s or max(timeout_s, 300),
+                                              f"rollout rank {rank}", **engine_kwargs)
         return cls(engine, rank=rank, timeout_s=timeout_s)
 
     # --- utilisation bookkeeping: busy = has requests and not paused

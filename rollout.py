@@ -33,7 +33,8 @@ class RolloutConfig:
     max_model_len: int = opt(0, "engine context = the cap on prompt + whole trajectory, tokens; 0 = the "
                                 "model's own")
     max_turns: int = opt(8, "multi-turn: model turns per trajectory, at most")
-    temperature: float = opt(1.0, "sampling temperature (keep 1.0: the logprobs are then the policy's)")
+    temperature: float = opt(1.0, "sampling temperature of the training samples; the engines report, and the "
+                                  "trainer computes, log-probs of softmax(logits / this)")
     chat_template: bool = opt(True, "prompts and observations through the tokenizer's chat template, if it "
                                     "has one")
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")

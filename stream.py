@@ -2,21 +2,21 @@
 GPUs): each complete group is trained on as it arrives, gradients accumulate, and one optimizer step
 follows once the batch is complete. The weights do not move before that step, so it is exact.
 
-    stream = TrainStream(group_size, backend, timeout_s)    # rl_step's side: groups in, a worker trains
+    stream = TrainStream(group_size, backend, timeout_s, "grpo")  # rl_step's side: groups in, a worker trains
     batch, info = await ctrl.collect(on_group=stream.add)  # (stream.begin(version) first)
     metrics, probe_ref = await stream.finish()              # the rest, then the optimizer step
     grad = GradStream(trainer); grad.begin(v); grad.micro(samples, adv); grad.step()   # every trainer rank
     dealer = Dealer(world, micro_batch, max_tokens)          # rank 0: arrivals -> micro-batches per rank
 
-GRPO advantages are per group, so a complete group's are known at once. A token-mean loss's
-normaliser (the batch's tokens) is known only at the end, but a gradient is linear in the loss's
+Advantages (--adv-estimator) are per group, so a complete group's are known at once. A token-mean
+loss's normaliser (the batch's tokens) is known only at the end, but a gradient is linear in the loss's
 weights: each micro-batch's loss is backpropagated times its own token count (seq-mean-token-mean:
-its sample count), and the sum is scaled once, before clipping and the step, by 1 / the total. Under
+its sequence count), and the sum is scaled once, before clipping and the step, by 1 / the total. Under
 FSDP every rank runs every forward/backward (a collective): rank 0 deals each micro-batch over the
 ranks, a rank with no share runs an empty one (weight 0); the total is all-reduced, so the step
-normalises by the batch's tokens over all ranks (train_step averages the ranks' own means: the same
-on one rank). Where it cannot apply (several optimizer steps per batch, --colocate) the caller
-trains whole batches: TrainConfig.stream_fallback says why. Design notes: DESIGN.md#streampy
+normalises by the batch's tokens over all ranks, as train_step does. Where it cannot apply (several
+optimizer steps per batch, --colocate) the caller trains whole batches: TrainConfig.stream_fallback
+says why. Design notes: DESIGN.md#streampy
 """
 
 import asyncio
@@ -24,7 +24,7 @@ import asyncio
 import torch
 import torch.distributed as dist
 
-from losses import group_advantages
+from losses import agg_count, estimate_advantages
 from microbatch import pack_by_tokens
 from proxy import now
 
@@ -48,15 +48,15 @@ class GradStream:
         """One forward/backward; no samples: an empty one (FSDP: every rank runs every pass)."""
         t = self.tr.micro(samples, advantages, self.version)
         self.tr.prepare(t)
-        num = (sum(sum(s.loss_mask) for s in samples) if self.tr.cfg.loss_agg == "token-mean"
-               else len(samples))
+        num = agg_count(t["mask"], self.tr.cfg.agg)          # its tokens (or sequences); 0 for an empty one
         self.tr.forward_backward(t, float(num), self.sums, self.gap)    # unnormalised
         self.den += num
 
     def step(self) -> dict:
         """Scale the accumulated gradient by 1 / the batch's normaliser, clip, step; the step's metrics."""
         tr = self.tr
-        den = torch.tensor([self.den], dtype=torch.float64)
+        # on the trainer's device: an NCCL group takes only tensors on its GPU
+        den = torch.tensor([self.den], dtype=torch.float64, device=tr.device)
         if tr.fsdp:       # FSDP averaged the ranks' gradients: times world / the ranks' total
             dist.all_reduce(den, group=tr.group)
         scale = tr.world / den.item() if den.item() > 0 else 0.0
@@ -130,8 +130,9 @@ class TrainStream:
     A worker task runs them one at a time, in order, while the controller goes on collecting.
     busy_s: the worker's time in them this step (the trainer's busy time)."""
 
-    def __init__(self, group_size: int, backend, timeout_s: float = 600.0):
+    def __init__(self, group_size: int, backend, timeout_s: float = 600.0, estimator: str = "grpo"):
         self.G, self.backend, self.timeout_s = group_size, backend, timeout_s
+        self.estimator = estimator                      # --adv-estimator (losses.ADV_ESTIMATORS)
         self.queue: asyncio.Queue | None = None
         self.worker: asyncio.Task | None = None
 
@@ -145,7 +146,7 @@ class TrainStream:
         """A complete group joins the batch (controller.collect's on_group)."""
         if self.worker.done():          # the trainer failed: say so now, not at the end of the step
             self.worker.result()
-        adv = group_advantages(torch.tensor([s.reward for s in group]), self.G).tolist()
+        adv = estimate_advantages(torch.tensor([s.reward for s in group]), self.G, self.estimator).tolist()
         self.queue.put_nowait(("add", group, adv))
 
     async def _work(self):

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import secrets
 import sys
@@ -152,15 +153,16 @@ async def rl_loop(cfg: Config, ctrl, ranks, log: RunLog, send, meta, group, held
     fallback = cfg.train.stream_fallback(cfg.colocate)
     if fallback:
         print0(f"train.py: {fallback}")
-    stream = (TrainStream(cfg.controller.group_size, RanksStream(ranks, probe_due), cfg.controller.timeout_s)
-              if cfg.train.stream_trainer and not fallback else None)
+    stream = (TrainStream(cfg.controller.group_size, RanksStream(ranks, probe_due), cfg.controller.timeout_s,
+                          cfg.train.adv_estimator) if cfg.train.stream_trainer and not fallback else None)
 
     await log.starting(ctrl.wait_ready(ranks.probe() if probe_due(0) else None))   # engines up and warmed up
     t_train = time.monotonic()
     data_pos = state["data_position"] if state else 0
     for step in range(state["step"] if state else 0, cfg.steps):
         t0 = time.monotonic()
-        s = await rl_step(ctrl, train, send, meta, group, stream)        # collect, train, sync
+        s = await rl_step(ctrl, train, send, meta, group, stream,       # collect, train, sync
+                          cfg.train.adv_estimator)
         evaluation = ctrl.eval_result()                                   # a round that finished meanwhile
         final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
         if held_out and final:                                            # the final weights, always
@@ -213,7 +215,8 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
     from transformers import AutoTokenizer
     timeout = cfg.controller.timeout_s
     trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device,
-                      lora=cfg.lora, adapter_dir=adapter_dir, ref_dir=base_dir)     # (--kl-coef's reference)
+                      lora=cfg.lora, adapter_dir=adapter_dir, ref_dir=base_dir,     # (--kl-coef's reference)
+                      temperature=cfg.rollout.temperature)              # log-probs of what the engines sample
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
@@ -237,7 +240,8 @@ def run_trainer(cfg: Config, rank: int, device: str, group, store, model_dir: st
         gc.freeze()          # start-up's objects out of the collector's sight (run_rollout says why)
         return ranks.follow()
 
-    buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus), "trainer rank 0", timeout)
+    buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus, bind=queue_bind()),
+                          "trainer rank 0", timeout)
     problems, make, held_out = cfg.data.sources(cfg.train.seed, evaluate=cfg.eval_every > 0)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
@@ -271,11 +275,11 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
     from transformers import AutoTokenizer
     index = rank - cfg.train_gpus                      # rollout rank index: its command queue
     who, rc, timeout = f"rollout rank {index} (global {rank})", cfg.rollout, cfg.controller.timeout_s
+    startup = cfg.controller.startup_timeout_s
     if cfg.weight_transport == "ipc":      # (before the queues: trainer rank 0 serves them after this)
         collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     probe = tokenizer.encode(PROBE_TEXT)
-    buffer = SampleBuffer(ManagerQueues.connect(*buffer_addr, cfg.rollout_gpus, timeout), who, timeout)
     events = RankEvents(index) if cfg.max_events > 0 else None     # the timeline, sent to rank 0 in the acks
     if device.startswith("cuda"):     # GPU: the engine's processes see only this rank's GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
@@ -291,13 +295,22 @@ def run_rollout(cfg: Config, rank: int, device: str, model_dir: str, state, buff
 
     async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
-        return await asyncio.to_thread(VLLMEngine.start, model_dir, **engine)
+        return await VLLMEngine.start_async(model_dir, startup, who, **engine)
 
     async def main():
         t = time.time()
-        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=timeout, **engine)
+        # the engine first: it starts while the trainer ranks build their models; trainer rank 0 serves
+        # the queues once it holds its model, so the connect after this may wait for that
+        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=timeout, startup_timeout_s=startup,
+                                          **engine)
         proxy.version = state["version"] if state else 0
         try:
+            try:
+                queues = await asyncio.to_thread(ManagerQueues.connect, *buffer_addr, cfg.rollout_gpus,
+                                                 startup, who)
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}; the wait is --startup-timeout-s") from None
+            buffer = SampleBuffer(queues, who, timeout)
             # warm-up: the first request pays one-off costs
             await proxy.generate(probe, Sampling(max_tokens=2))
             # torch, transformers and vLLM leave ~600k objects that live as long as the process, and
@@ -400,7 +413,8 @@ def init_distributed(cfg: Config):
     elif cfg.colocate:
         sys.exit("train.py: --colocate needs GPUs: vLLM's sleep mode, which frees an engine's memory while "
                  "the trainer trains on the same GPU, is CUDA-only")
-    long = timedelta(seconds=max(cfg.controller.timeout_s, 1800))   # long: the first rank may build the model
+    # long: start-up collectives wait for rank 0 to build the tiny model, or (ipc) the trainers' models
+    long = timedelta(seconds=max(cfg.controller.timeout_s, cfg.controller.startup_timeout_s))
     # The default group's store, under a prefix per torchrun restart: torchrun's static rendezvous keeps
     # one store for every restart, and a restarted rank would read the address its killed predecessor left.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"     # torchrun's agent hosts the store
@@ -436,6 +450,22 @@ def memory_plan(cfg: Config, model_dir: str, gpu: bool) -> str:
     return memplan.format_plan(memplan.make_plan(hf, cfg, gpu, name, gib))
 
 
+def queue_bind() -> str | None:
+    """Where trainer rank 0's queue server listens: on one node, MASTER_ADDR (loopback stays loopback);
+    across nodes every interface, because under torchrun's c10d rendezvous MASTER_ADDR is node 0's
+    name, which node 0 itself may resolve to a loopback address (127.0.1.1 on many Ubuntu hosts and
+    containers) that the other nodes cannot reach. The clients connect to MASTER_ADDR either way."""
+    world = int(os.environ["WORLD_SIZE"])
+    return "" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else None
+
+
+def export_startup_timeout(cfg: Config):
+    """vLLM's own wait for its engine core (VLLM_ENGINE_READY_TIMEOUT_S, default 600 s, read once when
+    vLLM's engine client is imported: so before any vLLM import) follows --startup-timeout-s, a minute
+    longer: the rank's own wait fires first and names the flag."""
+    os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(math.ceil(cfg.controller.startup_timeout_s) + 60)
+
+
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -443,6 +473,7 @@ def cleanup():
 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
+    export_startup_timeout(cfg)
     quiet.setup(cfg.verbose)          # before vLLM or transformers load: library logs at warning level
     if cfg.dry_run:                   # the memory plan, then nothing else
         if cfg.model and not (Path(cfg.model) / "config.json").exists():

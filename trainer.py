@@ -13,9 +13,10 @@ state and gradient reduce. Log-probs come from microbatch.PolicyNet (the LM head
 [B, T, V]); micro-batches are --micro-batch samples or packed by --max-tokens-per-micro. A batch is
 --ppo-epochs passes of --mini-batches optimizer steps; under FSDP every rank runs the same number of
 micro-batches (short ranks run empty ones of weight 0). --kl-coef > 0 adds a KL penalty to a frozen,
-sharded copy of the initial model (LoRA: the base, adapter off). Simplifications: mini-batches keep
-their samples across epochs; each rank's loss is its local mean (ranks weigh equally); the optimizer
-state is saved per rank, so a resume needs the same --train-gpus. Details: DESIGN.md#trainerpy.
+sharded copy of the initial model (LoRA: the base, adapter off). Under FSDP a step's loss is the mean
+over every rank's tokens (or sequences), as on one rank. Simplifications: mini-batches keep their samples
+across epochs; the optimizer state is saved per rank, so a resume needs the same --train-gpus.
+Details: DESIGN.md#trainerpy.
 """
 
 import errno
@@ -121,18 +122,26 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
-                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = "", ref_dir: str = ""):
+                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = "", ref_dir: str = "",
+                 fsdp: bool = False, temperature: float = 1.0):
         """lora with lora_rank > 0: train a PEFT adapter on the frozen model (adapter_dir: start from
         that saved adapter, a --resume); its tensors are then all that named_weights() and the
         checkpoints hold. ref_dir: --kl-coef's reference model (default model_dir; a resumed run passes
-        the model it started from)."""
+        the model it started from). fsdp: the sharded path (FSDP2) even when `group` has one rank
+        (tools/gpu_check.py checks it on one GPU); with several ranks it is always taken.
+        temperature: the engines' sampling temperature (--temperature); every log-prob the loss sees (the
+        policy's, pi_prox's, the reference's) is of softmax(logits / temperature), the distribution the
+        engines sample from and report (vllm_engine: processed logprobs)."""
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"--temperature must be > 0 to train on its samples, got {temperature}")
+        self.temperature = temperature
         self.device = torch.device(device)
         self.cfg = cfg = cfg.resolved(self.device.type)
         self.lora = lora if lora is not None and lora.lora_rank else None
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.fsdp = self.world > 1
+        self.fsdp = self.world > 1 or (fsdp and group is not None)
         self.bf16 = cfg.precision == "bf16"
         torch.manual_seed(cfg.seed)
         build = functools.partial(shard.build, device=self.device, group=group if self.fsdp else None,
@@ -179,9 +188,9 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {"loss": 0.0}
                 for t in mini:
-                    # weights: the step's loss is the mini-batch's token-mean
+                    # weights: the step's loss is the mini-batch's mean over every rank (_plan)
                     self.forward_backward(t, t["weight"], sums, gap if epoch == 0 and (j == 0 or "pre" in t)
-                                          else None)
+                                          else None, grad_weight=t["grad_weight"])
                 self.update_metrics.append({**sums, "grad_norm": self.clip_and_step()})
         self.num_steps += 1
         return self.step_metrics(lr, gap)
@@ -204,9 +213,11 @@ class Trainer:
         if cfg.kl_coef > 0:
             t["ref"] = self.ref_logprobs(t)
 
-    def forward_backward(self, t: dict, weight: float, sums: dict, gap: dict | None = None):
-        """One micro-batch: the loss's gradient times `weight` accumulated into .grad; its metrics times
-        `weight` added to `sums`; with `gap`, the engine/trainer logprob gap before any update."""
+    def forward_backward(self, t: dict, weight: float, sums: dict, gap: dict | None = None,
+                         grad_weight: float | None = None):
+        """One micro-batch: the loss's gradient times `grad_weight` (default `weight`) accumulated into
+        .grad; its metrics times `weight` added to `sums`; with `gap`, the engine/trainer logprob gap before
+        any update."""
         cfg = self.cfg
         entropy = []
         logp = self.logprobs(t, entropy)                                      # [B, T], with grad
@@ -216,11 +227,11 @@ class Trainer:
                                              prox_logp=t.get("pre"), ref_prox=cfg.recompute_old_logprobs,
                                              **cfg.loss_kwargs())
         if cfg.kl_coef > 0:
-            kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.loss_agg)
+            kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.agg)
             loss = loss + cfg.kl_coef * kl
             m.update(kl_m)
         m["entropy"] = (entropy[0].sum() / max(len(entropy[0]), 1)).item()   # over the mask
-        (loss * weight).backward()
+        (loss * (weight if grad_weight is None else grad_weight)).backward()
         for k, v in {"loss": loss.item(), **m}.items():
             sums[k] = sums.get(k, 0.0) + v * weight
 
@@ -255,14 +266,17 @@ class Trainer:
         return {"optimizer_state_mb": state / 1e6, "mem_peak_gb": peak / 1e9}
 
     def logprobs(self, t: dict, entropy: list | None = None) -> torch.Tensor:
-        """The policy's logprobs [B, T] of micro-batch t's tokens at its loss mask (0 elsewhere)."""
-        return token_logprobs(self.net, t["input_ids"], t["attn"], t["mask"], entropy=entropy)
+        """The policy's logprobs [B, T] of micro-batch t's tokens at its loss mask (0 elsewhere), at the
+        sampling temperature."""
+        return token_logprobs(self.net, t["input_ids"], t["attn"], t["mask"], entropy=entropy,
+                              temperature=self.temperature)
 
     @torch.no_grad()
     def ref_logprobs(self, t: dict) -> torch.Tensor:
         """--kl-coef's reference logprobs [B, T] (the initial model; LoRA: the base, adapter off)."""
         if self.ref_net is not None:
-            return token_logprobs(self.ref_net, t["input_ids"], t["attn"], t["mask"])
+            return token_logprobs(self.ref_net, t["input_ids"], t["attn"], t["mask"],
+                                  temperature=self.temperature)
         with self.model.disable_adapter():
             return self.logprobs(t)
 
@@ -294,19 +308,23 @@ class Trainer:
         for j, (mini, count) in enumerate(zip(minis, counts.tolist())):
             # the largest rank's count: packed parts padded with empty ones, or that many equal parts
             mini_parts = parts[j] + [[]] * (count - len(parts[j])) if pack else split(mini, count)
-            tokens = sum(sum(samples[i].loss_mask) for i in mini)
-            micros = []
-            for part in mini_parts:
-                t = self.micro([samples[i] for i in part], [advantages[i] for i in part], version)
-                batch = [samples[i] for i in part] or [EMPTY]
-                if not part:
-                    t["weight"] = 0.0
-                elif cfg.loss_agg == "token-mean":
-                    t["weight"] = sum(sum(s.loss_mask) for s in batch) / max(tokens, 1)
-                else:
-                    t["weight"] = len(part) / len(mini)
-                micros.append(t)
-            plan.append(micros)
+            plan.append([self.micro([samples[i] for i in part], [advantages[i] for i in part], version)
+                         for part in mini_parts])
+        # Each micro-batch's loss is a mean over its own tokens (or sequences: losses.agg_count); weighed by
+        # its count over the mini-batch's count on all ranks, the sum is the mini-batch's mean over every
+        # rank. FSDP averages the ranks' gradients (1 / world), so the gradient's weight is world times that.
+        # (The rank's own count instead would weigh a rank of 30 tokens beside one of 700 23x too much.)
+        for t in (t for mini in plan for t in mini):
+            t["count"] = losses.agg_count(t["mask"], cfg.agg)                   # (0 for an empty one)
+        local = torch.tensor([float(sum(t["count"] for t in mini)) for mini in plan], dtype=torch.float64,
+                             device=self.device)                                 # [mini-batches]
+        total = local.clone()
+        if self.fsdp:
+            dist.all_reduce(total, group=self.group)
+        for mini, own, every in zip(plan, local.tolist(), total.tolist()):
+            for t in mini:
+                t["weight"] = t["count"] / max(own, 1.0)        # the metrics: this rank's own mean
+                t["grad_weight"] = t["count"] * self.world / max(every, 1.0)
         return plan
 
     def micro(self, samples, advantages: list[float], version) -> dict:
@@ -321,7 +339,9 @@ class Trainer:
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """The trainer's logprobs of a probe sequence (collective under FSDP: call on every trainer rank)."""
+        """The trainer's logprobs of a probe sequence (collective under FSDP: call on every trainer rank), at
+        temperature 1 whatever --temperature: the engines score the probe as prompt logprobs, which vLLM takes
+        from the raw logits (it checks the weights, not the sampling)."""
         self.model.eval()
         ids = torch.tensor([token_ids], device=self.device)
         return token_logprobs(self.net, ids, torch.ones_like(ids))[0, 1:].tolist()
@@ -337,16 +357,23 @@ class Trainer:
         return [(n, v) for n, v in self.model.state_dict().items()
                 if not (self.tied and n == "lm_head.weight")]
 
-    def iter_full_state(self):
+    def iter_full_state(self, dtypes: list[torch.dtype] | None = None):
         """(HF name, full tensor on this rank's device), one weight at a time: under FSDP each is one
-        all-gather, so the extra memory is one weight, not the model. Collective: every trainer rank
-        iterates it to the end, in the same order."""
-        for name, v in self.named_weights():
+        all-gather, so the extra memory is one weight, not the model. dtypes (a weight sync: the engine's,
+        one per weight): each shard is cast before its gather, which then moves and holds that dtype (bf16:
+        half of float32's bytes). Collective: every trainer rank iterates it to the end, in the same order,
+        with the same dtypes."""
+        for i, (name, v) in enumerate(self.named_weights()):
+            if dtypes is not None:
+                v = v.to(dtypes[i])
             yield name, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
 
-    def full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights under their HF names, on CPU (checkpoints). Collective under FSDP."""
-        return [(n, t.to("cpu")) for n, t in self.iter_full_state()]
+    def full_state(self, rank0_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights under their HF names, on CPU. Collective under FSDP. rank0_only
+        (checkpoints, which rank 0 writes): the other ranks take part in every gather but keep nothing and
+        get [] (a full copy in each rank's host memory: ~30 GB of float32 at 7B)."""
+        keep = not rank0_only or self.rank == 0
+        return [(n, t.to("cpu")) for n, t in self.iter_full_state() if keep]
 
     # --- checkpoints
     def save_checkpoint(self, out_dir: str, state: dict, tokenizer_dir: str):
@@ -360,7 +387,7 @@ class Trainer:
         out = Path(out_dir)
         name = f"checkpoint-{state['step']:06d}"
         tmp, final, link = out / f"{name}.tmp", out / name, out / "checkpoint"
-        named = self.full_state()
+        named = self.full_state(rank0_only=True)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -408,7 +435,8 @@ class Trainer:
             raise FileNotFoundError(f"--resume: {path} missing (resume needs the same number of trainer "
                                     f"ranks)")
         # weights_only: a crafted optimizer file must not run code on --resume
-        self.opt.load_state_dict(torch.load(path, weights_only=True))
+        # map_location: straight onto this rank's device, whichever device wrote it
+        self.opt.load_state_dict(torch.load(path, weights_only=True, map_location=self.device))
 
 
 def checkpoint_error(tmp: Path, e: BaseException) -> str:

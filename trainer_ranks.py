@@ -106,15 +106,16 @@ class TrainerRanks:
         rank's own engine) sends what every rank gathers. ipc over several ranks: every rank's outcome
         goes to rank 0, which raises for any (the controller then syncs again); the others go on."""
         tr, ipc = self.trainer, getattr(group, "transport", "group") == "ipc"
+        dtypes = [getattr(torch, dtype) for _, _, dtype in meta]    # gathered in the engine's dtype
         if self.sender is None:
-            for _ in tr.iter_full_state():
+            for _ in tr.iter_full_state(dtypes):
                 pass
             error = None
         elif not ipc or self.num_ranks == 1:
-            return self.sender.send(group, tr.iter_full_state(), meta)
+            return self.sender.send(group, tr.iter_full_state(dtypes), meta)
         else:
             try:
-                self.sender.send(group, tr.iter_full_state(), meta)
+                self.sender.send(group, tr.iter_full_state(dtypes), meta)
                 error = None
             except Exception as e:
                 error = str(e)

@@ -9,8 +9,11 @@ same code over either. Also here: where each engine runs (cpu_layout: a CPU core
 engine_gpu: its rank's GPU). Design notes: DESIGN.md#proxypy
 """
 
+import asyncio
+import concurrent.futures
 import os
 import shutil
+import threading
 import time
 from typing import AsyncIterator
 
@@ -95,6 +98,11 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, seed=seed, skip_tokenizer_init=True,
             enforce_eager=not torch.cuda.is_available() if enforce_eager is None else enforce_eager,
             worker_extension_cls="weight_sync.WeightSyncWorker", disable_log_stats=True,
+            # a sampled token's logprob under the distribution it was drawn from: after temperature (and any
+            # top-p / top-k), where the default (raw_logprobs) reports the unscaled model's; the trainer
+            # computes its own at the same temperature (Trainer's temperature). Prompt logprobs (score) are
+            # raw in either mode
+            logprobs_mode="processed_logprobs",
             **engine_kwargs)
         affinity = os.sched_getaffinity(0)      # this thread's, given back once the engine's processes run
         if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
@@ -107,6 +115,44 @@ class VLLMEngine:
         if lora:
             engine.use_adapter(lora.adapter_config(model_dir), adapter_dir)
         return engine
+
+    @classmethod
+    async def start_async(cls, model_dir: str, timeout_s: float, who: str = "engine",
+                          **kwargs) -> "VLLMEngine":
+        """start() in a thread of its own, awaited at most timeout_s (--startup-timeout-s). A start cannot
+        be interrupted: at the timeout this raises, naming who, and the thread is left to finish; an
+        engine it still brings up is shut down there, never used. A daemon thread, not asyncio's pool:
+        a rank that fails on the timeout exits without waiting for the start to end."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            try:
+                engine = cls.start(model_dir, **kwargs)
+            except BaseException as e:
+                try:
+                    done.set_exception(e)
+                except concurrent.futures.InvalidStateError:   # abandoned: nobody to tell
+                    pass
+                return
+            try:
+                done.set_result(engine)
+            except concurrent.futures.InvalidStateError:       # abandoned (cancelled) meanwhile
+                engine.shutdown()
+
+        threading.Thread(target=run, name=f"{who}: engine start", daemon=True).start()
+        bound = asyncio.timeout(timeout_s)
+        try:
+            async with bound:
+                return await asyncio.wrap_future(done)
+        except BaseException:
+            # nobody takes the engine now: cancelled, the thread shuts it down when it comes; if it
+            # came just now, here (a start that failed by itself raises its own error)
+            if not done.cancel() and done.exception() is None:
+                done.result().shutdown()
+            if bound.expired():
+                raise TimeoutError(f"{who}: the vLLM engine did not start within {timeout_s:.0f}s "
+                                   f"(--startup-timeout-s)") from None
+            raise
 
     def use_adapter(self, config: dict, adapter_dir: str = ""):
         """LoRA: requests name the engine's adapter (lora.ADAPTER_ID): the one in adapter_dir, loaded
@@ -243,7 +289,8 @@ class VLLMEngine:
             raise
 
     async def score(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each token of `token_ids` given the ones before it (first token: none)."""
+        """Logprob of each token of `token_ids` given the ones before it (first token: none), at temperature 1
+        (prompt logprobs: vLLM takes them from the raw logits)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)

@@ -12,6 +12,8 @@ built with vLLM's stateless helpers on the run's key-value store; gloo on CPU, N
 code), the bucket plan (plan_buckets over weight_meta, computed alike on both sides), Sender (gather,
 flatten and broadcast bucket by bucket) and WeightSyncWorker (the vLLM worker extension that
 receives each bucket and loads it as it arrives). A replaced engine means a new group generation.
+Every wait raises within the group's timeout and a failed one aborts that group (NCCL: the group is
+built with blocking waits and no watchdog, nccl_group_env, so a dead engine ends no process).
 
 Deviations, on purpose: the group is formed at the first sync, not at engine start (on NCCL the
 communicator's start-up lands in the first sync); weights travel in the engine's dtype; vLLM's own
@@ -20,7 +22,9 @@ weight_transfer package is CUDA-only, and the point here is one code path for CP
 Design notes: DESIGN.md#weight_syncpy
 """
 
+import contextlib
 import itertools
+import os
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -74,9 +78,48 @@ class GroupSpec:
         return GroupSpec(**{**asdict(self), "gen": gen, "seq": seq})
 
 
+# The weight-sync group on NCCL: a wait must raise, not take the process down. Without blocking wait,
+# an NCCL Work.wait() only orders streams, and the group's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING's
+# default) ends the process on an error or timeout: one engine dying mid-sync would take down trainer rank
+# 0 and every engine. ProcessGroupNCCL reads these in its constructor, once per group (torch's
+# ProcessGroupNCCL.cpp): blocking wait makes wait() block in the caller's thread and, on an error or the
+# timeout, abort that work's communicator and raise, and starts no watchdog thread; no error handling keeps
+# an older torch's watchdog from ending the process. Set only while this group is built: every other group
+# (the trainer group's FSDP waits must not block the CPU) keeps what the environment says.
+NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": ("NCCL_BLOCKING_WAIT", "0"),          # (old name, torch's
+                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING", "3")}   # default)
+
+
+def pin_nccl_env():
+    """Give NCCL_GROUP_ENV's names the values torch would read anyway (its older names, else its defaults)
+    if they are unset: done at import, before this process has threads, so that nccl_group_env() later
+    replaces values in place. (Adding or removing a variable moves the environment's entries under another
+    thread's getenv, NCCL's or torch's; replacing one swaps a pointer.)"""
+    for name, (old, default) in NCCL_ENV_DEFAULTS.items():
+        if name not in os.environ:
+            os.environ[name] = os.environ.get(old, default)
+
+
+pin_nccl_env()
+
+
+@contextlib.contextmanager
+def nccl_group_env():
+    """NCCL_GROUP_ENV while an NCCL group is built; what was there before, after (replaced in place)."""
+    pin_nccl_env()
+    before = {k: os.environ[k] for k in NCCL_GROUP_ENV}
+    os.environ.update(NCCL_GROUP_ENV)
+    try:
+        yield
+    finally:
+        os.environ.update(before)
+
+
 def open_group(spec: GroupSpec, rank: int, store=None):
     """Join generation spec.gen as `rank`; a member that has no store connects to spec's. vLLM's
-    stateless helpers make the group: nothing global in torch.distributed changes."""
+    stateless helpers make the group: nothing global in torch.distributed changes. NCCL: built with
+    blocking waits and no watchdog (NCCL_GROUP_ENV), so its waits raise within their timeout."""
     from torch.distributed import PrefixStore, TCPStore
     from vllm.distributed.utils import init_gloo_process_group
 
@@ -87,14 +130,23 @@ def open_group(spec: GroupSpec, rank: int, store=None):
     if spec.backend == "gloo":
         return init_gloo_process_group(prefixed, rank, spec.world_size, timeout)
     from vllm.platforms import current_platform
-    return current_platform.stateless_init_device_torch_dist_pg(spec.backend, prefixed, rank, spec.world_size,
-                                                                timeout)
+    with nccl_group_env():
+        return current_platform.stateless_init_device_torch_dist_pg(spec.backend, prefixed, rank,
+                                                                    spec.world_size, timeout)
 
 
-def broadcast(pg, t: torch.Tensor, who: str, phase: str):
-    """One broadcast from group rank 0, bounded by the group's timeout; a failure names who and what."""
+def abort_group(pg):
+    """A failed group's communicators ended in this process now, not at its destructor (NCCL: that group's
+    only; the other members' waits fail at NCCL's error or their timeout). Best effort: it failed already."""
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            pg.abort()
+
+
+def broadcast(pg, t: torch.Tensor, who: str, phase: str, timeout_s: float):
+    """One broadcast from group rank 0, its wait bounded by timeout_s; a failure names who and what."""
     try:
-        pg.broadcast(t, 0).wait()
+        pg.broadcast(t, 0).wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:     # gloo/NCCL timeouts and dead peers surface as RuntimeError
         raise RuntimeError(f"{who}: {phase} failed or timed out: {e}") from None
 
@@ -151,9 +203,10 @@ class Sender:
             for b, idx in enumerate(plan):
                 flat = self.buf[:nbytes[b]].view(getattr(torch, meta[idx[0]][2]))
                 pack(named, meta, idx, flat, who)
-                broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})")
+                broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})", spec.timeout_s)
         except BaseException:
-            self.pg, self.gen = None, None     # a group that failed once is not used again
+            abort_group(self.pg)               # a group that failed once is not used again
+            self.pg, self.gen = None, None
             for _ in named:
                 pass
             raise
@@ -198,9 +251,10 @@ class WeightSyncWorker:
                 flat, work = pending
                 t = time.monotonic()
                 try:
-                    work.wait()
+                    work.wait(timedelta(seconds=spec.timeout_s))
                 except RuntimeError as e:              # the group is broken: the next sync forms a new one
-                    self._sync_gen = None
+                    abort_group(self._sync_pg)
+                    self._sync_pg, self._sync_gen = None, None
                     raise RuntimeError(f"{who}: weight broadcast bucket {b} failed or timed out: "
                                        f"{e}") from None
                 wait[0] += time.monotonic() - t

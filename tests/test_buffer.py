@@ -6,8 +6,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from buffer import (ORDERS, Cmd, Command, GroupAssembler, LocalQueues, ManagerQueues, RolloutTask, Sample,
-                    SampleBuffer, fresh)
+from buffer import (ORDERS, Cmd, Command, GroupAssembler, LocalQueues, Lost, ManagerQueues, RolloutTask,
+                    Sample, SampleBuffer, fresh)
 from task import Problem
 
 
@@ -26,16 +26,25 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("bump")),
     st.tuples(st.just("take"), st.integers(1, 3)),
     st.tuples(st.just("defer"), st.integers(0, 5)),
+    st.tuples(st.just("give up"), st.integers(0, 5), st.sampled_from(["", *Lost])),
 ), max_size=120)
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, async_ratio=st.integers(0, 3), group_size=st.integers(1, 3), order=st.sampled_from(ORDERS))
-def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_ratio, group_size, order):
+@given(ops=ops, async_ratio=st.integers(0, 3), group_size=st.integers(1, 3), order=st.sampled_from(ORDERS),
+       extra=st.integers(0, 2))
+def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_ratio, group_size, order, extra):
     asm = GroupAssembler(group_size, async_ratio, order=order)
+    for g in range(6):
+        asm.expect(f"g{g}", group_size + extra)      # redundancy: the first group_size to arrive make it
     version, added, returned = 0, 0, 0
     for op in ops:
-        if op[0] == "put":
+        if op[0] == "give up":                       # a sample that never comes: failed, or a rank's notice
+            s = sample(f"g{op[1]}", [version], failed=True, i=added)
+            s.meta.update(retrying=False, **({"aborted": op[2]} if op[2] else {}))
+            asm.add(s, version)
+            added += 1
+        elif op[0] == "put":
             _, g, lag, reward, failed = op
             # a sample's oldest version is at most the current version (tokens can't come from the future)
             asm.add(sample(f"g{g}", [max(0, version - lag), version], float(reward), failed, added), version)
@@ -59,7 +68,7 @@ def test_property_no_stale_sample_returned_and_all_drops_counted(ops, async_rati
                 returned += len(group)
     held = sum(len(g) for g in asm.pending.values()) + sum(len(g) for g in asm.ready)
     counted = (asm.samples_dropped_stale + asm.samples_filtered + asm.samples_failed + asm.samples_surplus
-               + asm.samples_deferred)
+               + asm.samples_deferred + asm.samples_interrupted)
     assert added == returned + held + counted, "a sample vanished without being counted"
 
 
@@ -185,6 +194,44 @@ def test_a_sample_given_up_on_kills_its_group():
     assert "a" not in asm.pending and asm.groups_failed == 1 and asm.samples_failed == 3
     asm.add(sample("a", [0], 0.0, i=3), 0)         # a straggler of the lost group is dropped
     assert not asm.pending and not asm.ready
+
+
+def test_with_redundancy_a_group_dies_only_when_it_can_no_longer_reach_group_size():
+    """--env-redundancy runs G + R trajectories of a group: one given up on leaves it alive while G can still
+    arrive; once too few can, the group is lost as failed, and a later good sample of it is counted with
+    that reason (not as stale)."""
+    def given_up(gid, i):
+        s = sample(gid, [0], failed=True, i=i)
+        s.meta["retrying"] = False
+        return s
+    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm.expect("a", 4)
+    asm.add(given_up("a", 0), 0)
+    asm.add(given_up("a", 1), 0)                   # 2 of 4 can still arrive: alive
+    asm.add(sample("a", [0], 1.0, i=2), 0)
+    asm.add(sample("a", [0], 0.0, i=3), 0)
+    assert [g[0].group_id for g in asm.take(1, 0)] == ["a"] and asm.groups_failed == 0
+    asm.expect("b", 3)
+    asm.add(sample("b", [0], 1.0, i=0), 0)
+    asm.add(given_up("b", 1), 0)
+    assert "b" in asm.pending
+    asm.add(given_up("b", 2), 0)                   # 1 of 3 left: lost as failed, with its held sample
+    asm.add(sample("b", [0], 0.0, i=3), 0)         # a straggler: counted for the group's reason
+    assert asm.lost["b"] == Lost.FAILED and asm.groups_failed == 1 and asm.samples_failed == 6
+    assert asm.samples_dropped_stale == 0 and asm.groups_dropped_stale == 0 and not asm.pending
+
+
+def test_a_ranks_abort_notice_loses_the_group_for_its_reason():
+    """A rank that aborts a task as stale (or a sleep ends it) sends a notice; the group is lost for that
+    reason, counted once, and its place can be freed."""
+    asm = GroupAssembler(group_size=2, async_ratio=1)
+    for gid, why in (("a", Lost.STALE), ("b", Lost.INTERRUPTED)):
+        s = sample(gid, [0], failed=True)
+        s.meta.update(retrying=False, aborted=str(why))
+        asm.add(s, 1)
+        assert asm.lost[gid] == why
+    assert (asm.groups_dropped_stale, asm.groups_interrupted, asm.groups_failed) == (1, 1, 0)
+    assert (asm.samples_dropped_stale, asm.samples_interrupted, asm.samples_failed) == (1, 1, 0)
 
 
 def test_assembler_memory_stays_bounded_on_a_long_run():

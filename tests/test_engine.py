@@ -78,6 +78,45 @@ def test_generate_logprobs_match_transformers(vllm_proxy, hf):
         assert diff < TOL, diff
 
 
+def test_sampling_temperature_logprobs_are_of_the_distribution_sampled(vllm_proxy, hf, tiny_model_dir):
+    """--temperature 0.7 (the engine still holds the initial weights here): the engine reports each sampled
+    token's log-prob under softmax(logits / 0.7), the distribution it drew from (vLLM's processed logprobs;
+    its default, raw, reports T = 1's), and a Trainer at the same temperature computes the same in the
+    forward the loss uses, within TOL. In the same batch, an evaluation's greedy and T = 1 requests come
+    back with T = 1 log-probs (evaluation samples are never trained). The weight-sync probe compares at
+    T = 1 on both sides (the engine scores it as prompt logprobs, which vLLM takes from the raw logits)."""
+    from buffer import Sample
+    from trainer import TrainConfig, Trainer, collate
+    from trainer_ranks import PROBE_TEXT
+    model, tok = hf
+    lt, proxy = vllm_proxy
+    prompts = [tok.encode(p) for p in ["12+34=", "7+5=", "305+99=", "1+1="]]
+    temps = [0.7, 0.7, 0.0, 1.0]
+
+    async def main():
+        return await asyncio.gather(*[proxy.generate(p, Sampling(max_tokens=24, temperature=t,
+                                                                 ignore_eos=True))
+                                      for p, t in zip(prompts, temps)])
+    cs = lt.run(main())
+    for p, c, t in zip(prompts, cs, temps):       # the engine against transformers' logits (T: 1 for greedy)
+        assert len(c.token_ids) == 24
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1]   # [24, V]
+        want = (logits / (t or 1.0)).log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, want.tolist())) < TOL, t
+        if t == 0.7:                                              # T = 1's would be far off
+            assert max(abs(a - b) for a, b in zip(c.logprobs, ref_logprobs(model, p, c.token_ids))) > 0.05
+    tr = Trainer(str(tiny_model_dir), TrainConfig(), temperature=0.7)
+    for p, c in [(p, c) for p, c, t in zip(prompts, cs, temps) if t == 0.7]:
+        with torch.no_grad():
+            trained = tr.logprobs(collate([Sample("t", "g", p, c.token_ids, c.logprobs, [1] * 24, [0] * 24,
+                                                  0.0)], "cpu"))[0, len(p):].tolist()
+        assert max(abs(a - b) for a, b in zip(c.logprobs, trained)) < TOL
+    probe = tok.encode(PROBE_TEXT)
+    engine = lt.run(proxy.score(probe))
+    assert max(abs(a - b) for a, b in zip(engine, tr.probe_logprobs(probe))) < TOL
+
+
 def test_abort_returns_partial_output(vllm_proxy):
     lt, proxy = vllm_proxy
 

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from buffer import Ack, Cmd, Command, GroupAssembler, LocalQueues, Phase, RolloutTask, Sample, SampleBuffer
+from buffer import (Ack, Cmd, Command, GroupAssembler, LocalQueues, Lost, Phase, RolloutTask, Sample,
+                    SampleBuffer)
 from env_manager import MIN_SAMPLES, WINDOW, EnvDeadline, EnvManager, RolloutConfig, env_seed
 from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
 from tools.fake_engine import FakeTimedEngine
@@ -503,12 +504,15 @@ def test_sync_aborts_stale_work_and_acks(tok):
         s = m.stats()
         assert (s["aborted_stale"], s["in_flight"]) == (1, 1)
         assert list(m.jobs) == ["new"] and len(m.proxy.engine.running) == 1   # the engine dropped it
-        [(_, new)] = await collect(buf, 1)
+        [(_, notice), (_, new)] = await collect(buf, 2)
         [stats] = await stop_all(buf, [m], [run])
-        assert buf.get_sample_nowait() is None                            # "old" never sent anything
-        return m.proxy.engine.num_loads, new, stats
-    loads, new, stats = run_virtual(main())
+        assert buf.get_sample_nowait() is None
+        return m.proxy.engine.num_loads, notice, new, stats
+    loads, notice, new, stats = run_virtual(main())
     assert loads == 2
+    # "old" sent only a notice that it will never come (its group frees its admission place): no tokens
+    assert (notice.task_id, notice.failed, notice.meta["aborted"], notice.meta["retrying"]) == (
+        "old", True, Lost.STALE, False) and notice.response_ids == []
     assert new.task_id == "new" and new.versions[0] == 1 and new.versions[-1] == 2
     assert stats["proxy"]["version"] == 2 and stats["samples_sent"] == 1
 
@@ -1205,3 +1209,66 @@ def test_env_deadline_keeps_its_window_sorted_as_it_slides():
         assert d.ranked["step"] == window
         if len(window) >= MIN_SAMPLES:
             assert d.current_s["step"] == 2.0 * window[math.ceil(0.9 * len(window)) - 1]
+
+
+def test_a_sleep_during_evaluation_runs_the_aborted_tasks_again_and_the_round_completes(tok):
+    """--colocate --eval-every: SLEEP ends every running task, evaluation's too. Each ended task sends a
+    notice, the controller queues that evaluation task again, and the round completes after the wake-up
+    (before, finish_eval waited to its timeout and the final checkpoint was never written)."""
+    async def main():
+        buf, ctrl, managers = controller_with_ranks(tok, num_ranks=1)
+        run = asyncio.create_task(managers[0].run())
+        await ctrl.wait_ready()
+        await ctrl.start_eval([Problem("1+1=", "2"), Problem("2+2=", "4")], k=2)
+        await asyncio.sleep(2 * STEP)                  # (virtual time) the 6 tasks run: 5 tokens take 5 steps
+        assert len(managers[0].jobs) == 6
+        await ctrl.sleep_engines()                     # the trainer takes the GPU
+        aborted = managers[0].counters["aborted_by_request"]
+        await ctrl.sync_weights(1, send_fn=lambda group: None)   # wakes the engine
+        result = await ctrl.finish_eval()
+        await ctrl.stop()
+        await run
+        return aborted, result
+    aborted, result = run_virtual(main())
+    assert aborted == 6
+    assert result["eval_version"] == 0 and {"eval_greedy", "eval_mean_at_2"} <= set(result)
+
+
+def filter_controller(tok, respond, **cfg):
+    """One rank, batch 2 x 2, dynamic filtering on; the rank answers with respond(); heartbeats logged."""
+    from controller import AsyncController, ControllerConfig
+    buf = SampleBuffer(LocalQueues(1), "test")
+    logs = []
+    ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0, redundant=0, **cfg),
+                           buf, (Problem("1+1=", "2") for _ in itertools.count()), 1, log=logs.append)
+    return ctrl, make_manager(buf, tok, respond=respond), logs
+
+
+@pytest.mark.parametrize("action", ["error", "train"])
+def test_dynamic_filtering_that_keeps_resampling_warns_and_stops_at_max_gen_batches(tok, action):
+    """A model that almost never succeeds: every group but the first has all-equal rewards. The controller
+    warns once (naming the reward mean and the flags) and, at --max-gen-batches batches of complete groups
+    in one step, ends the run with a clear error or trains the one group it has, as asked."""
+    calls = itertools.count()
+
+    def respond(prompt_ids):          # right once (the first group's second sample), wrong ever after
+        return tok.encode("2" if next(calls) == 1 else "3") + [tok.eos_token_id]
+
+    async def main():
+        ctrl, m, logs = filter_controller(tok, respond, max_gen_batches=3, on_max_gen_batches=action)
+        run = asyncio.create_task(m.run())
+        await ctrl.wait_ready()
+        try:
+            return await ctrl.collect(), logs
+        finally:
+            await ctrl.stop()
+            await run
+    if action == "error":
+        with pytest.raises(RuntimeError, match=r"--max-gen-batches 3 reached: 5 groups .* all-equal rewards "
+                                               r"\(reward mean 0\.083.*only 1 of 2 groups are ready"):
+            run_virtual(main())
+        return
+    (batch, info), logs = run_virtual(main())
+    assert len(batch) == 2 and sorted(s.reward for s in batch) == [0.0, 1.0] and info["groups_filtered"] == 5
+    [warning] = [x for x in logs if x.startswith("dynamic filtering")]
+    assert "reward mean" in warning and "--max-gen-batches" in warning and "--filter-groups false" in warning

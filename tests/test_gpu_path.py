@@ -1,9 +1,10 @@
 """The GPU path, as far as a CPU machine can check it: which device each engine and thread uses,
-and the colocated mode's control flow (fake engine). Tests marked `gpu` need CUDA and are skipped
-without it (none has run here: this machine has no GPU)."""
+and the colocated mode's control flow (fake engine). Tests marked `gpu` need the GPUs their torchrun layout
+takes and are skipped without them (none has run here: this machine has no GPU)."""
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,6 @@ from task import Problem
 from vllm_engine import cpu_layout, engine_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_each_engine_gets_its_ranks_own_gpu():
@@ -164,45 +164,85 @@ def test_colocate_is_refused_without_gpus(tmp_path):
 # on a GPU machine (not run here)
 
 
-def torchrun(tmp_path, nproc, *args):
+def gpus_needed(ranks: int, train: int, transport: str) -> int:
+    """The fewest GPUs of one node on which train.py's own layout check accepts `ranks` ranks, `train` of
+    them trainers (one GPU a rank; --colocate's ipc pairs share one): a run is skipped, not refused, below
+    it."""
+    from train import layout_errors, rank_places
+    return next(n for n in range(1, ranks + 1)
+                if not layout_errors(rank_places(ranks, ranks, None, n), train, transport, cuda=True))
+
+
+def gpu_run(ranks: int, train: int, transport: str = "group"):
+    """A GPU test's torchrun layout (its `layout`): skipped unless CUDA has the GPUs it needs."""
+    need = gpus_needed(ranks, train, transport)
+
+    def mark(test):
+        test.layout = (ranks, train, transport, need)
+        skip = pytest.mark.skipif(torch.cuda.device_count() < need,
+                                  reason=f"needs {need} GPUs (CUDA has {torch.cuda.device_count()})")
+        return pytest.mark.gpu(skip(test))
+    return mark
+
+
+def test_each_gpu_run_is_skipped_unless_there_are_the_gpus_its_layout_needs():
+    """The layout check refuses two ranks of one GPU in an NCCL group, so 1 trainer + 1 engine needs 2 GPUs
+    (on 1, train.py would refuse it, not test it), FSDP over 2 trainers beside 2 engines 4, and --colocate's
+    2 + 2 pairs 2; each GPU test asks for what its own layout needs, and runs on exactly that many."""
+    assert [gpus_needed(*layout) for layout in ((2, 1, "group"), (4, 2, "group"), (4, 2, "ipc"))] == [2, 4, 2]
+    runs = [f for name, f in globals().items() if name.startswith("test_gpu_")]
+    assert runs and all(hasattr(f, "layout") for f in runs)
+    for f in runs:
+        ranks, train, transport, need = f.layout
+        [skip] = [m for m in f.pytestmark if m.name == "skipif"]
+        assert skip.args == (torch.cuda.device_count() < need,)
+        assert f"needs {need} GPUs" in skip.kwargs["reason"]
+
+
+def torchrun(tmp_path, test, *args):
+    """`test`'s layout under torchrun on the first GPUs it needs (CUDA_VISIBLE_DEVICES: on a larger machine
+    the layout check would otherwise pair --colocate's ranks across GPUs)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from tools.jobs import free_port_pair
+    ranks, train, _, need = test.layout
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(need)]
     out = tmp_path / "run"
-    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
+    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(ranks),
                         "--master-port", str(free_port_pair()), "train.py", "--out-dir", str(out),
+                        "--train-gpus", str(train), "--rollout-gpus", str(ranks - train),
                         "--steps", "3", "--batch-groups", "4", "--group-size", "4", "--check-sync-every", "1",
                         "--timeout-s", "300", "--save-every", "0", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(ids[:need])})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@gpu
+@gpu_run(2, 1)
 def test_gpu_one_trainer_one_engine_probe_after_every_sync(tmp_path):
     # float32 on both sides (--precision's GPU default is bf16): the engine holds the trainer's weights
-    rows = torchrun(tmp_path, 2, "--rollout-gpus", "1", "--train-gpus", "1", "--dtype", "float32",
+    rows = torchrun(tmp_path, test_gpu_one_trainer_one_engine_probe_after_every_sync, "--dtype", "float32",
                     "--precision", "fp32")
     assert all(r["sync_probe_max_diff"] < 1e-3 for r in rows)
 
 
-@gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@gpu_run(4, 2)
 def test_gpu_two_engines_on_two_devices_and_fsdp_over_two_trainer_ranks(tmp_path):
     # 12 samples: uneven shards
     from runlog import PROBE_TOLERANCE
-    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--batch-groups", "3")
+    rows = torchrun(tmp_path, test_gpu_two_engines_on_two_devices_and_fsdp_over_two_trainer_ranks,
+                    "--batch-groups", "3")
     # bf16 engines and a bf16 trainer (sharded start, mixed precision): bf16's tolerance
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["sync_probe_max_diff"] < PROBE_TOLERANCE["bf16"] for r in rows)
 
 
-@gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@gpu_run(4, 2, "ipc")
 def test_gpu_colocated_sync_baseline(tmp_path):
     """--colocate on 2 GPUs, 4 processes: the weights by CUDA IPC (no NCCL group holds two ranks of one
     GPU), the engines' memory share computed from what is free, sleep and wake around training."""
     from runlog import PROBE_TOLERANCE
-    rows = torchrun(tmp_path, 4, "--rollout-gpus", "2", "--train-gpus", "2", "--colocate",
-                    "--async-ratio", "0")
+    rows = torchrun(tmp_path, test_gpu_colocated_sync_baseline, "--colocate", "--async-ratio", "0")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["staleness_max"] == 0 for r in rows)
     assert all(r["sync_probe_max_diff"] < PROBE_TOLERANCE["bf16"] for r in rows)

@@ -5,6 +5,7 @@ analytic derivative of each per-token loss with respect to logp, so both the los
 autograd gradient of losses.py are checked against hand-derived math, not against its own code.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -425,6 +426,107 @@ def test_group_advantages_by_hand():
     assert torch.equal(group_advantages(rewards, 1), torch.zeros_like(rewards))
     # integer rewards are accepted
     assert group_advantages(torch.tensor([1, 0]), 2).dtype.is_floating_point
+
+
+def test_adv_estimators_are_a_registry_behind_a_flag():
+    """--adv-estimator: grpo divides by the group's std, drgrpo (Dr. GRPO) keeps the raw deviation from the
+    group mean; an unknown name is refused naming the flag and the known ones, by the config and by the
+    call."""
+    from losses import ADV_ESTIMATORS, LossConfig, estimate_advantages
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0], dtype=torch.float64)
+    # group 1: mean 0.25, population std sqrt(3) / 4; group 2: mean 1.0, std sqrt(1.5)
+    dev = [0.75, -0.25, -0.25, -0.25, -1.0, -1.0, 2.0, 0.0]
+    stds = [math.sqrt(3) / 4] * 4 + [math.sqrt(1.5)] * 4
+    torch.testing.assert_close(estimate_advantages(rewards, 4, "drgrpo"),
+                               torch.tensor(dev, dtype=torch.float64))
+    torch.testing.assert_close(estimate_advantages(rewards, 4, "grpo"),
+                               torch.tensor([d / (s + 1e-6) for d, s in zip(dev, stds)], dtype=torch.float64))
+    assert estimate_advantages(rewards, 4).equal(estimate_advantages(rewards, 4, "grpo"))   # the default
+    assert set(ADV_ESTIMATORS) >= {"grpo", "drgrpo"} and LossConfig().adv_estimator == "grpo"
+    assert LossConfig(adv_estimator="drgrpo").adv_estimator == "drgrpo"
+    want = "--adv-estimator 'rloo': known: " + ", ".join(ADV_ESTIMATORS)
+    for make in (lambda: LossConfig(adv_estimator="rloo"), lambda: estimate_advantages(rewards, 4, "rloo")):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert str(e.value) == want
+    assert "adv_estimator" not in LossConfig().loss_kwargs()          # not a loss keyword: losses stay pure
+
+
+def test_adv_estimator_reaches_both_call_sites():
+    """The flag's estimator is what rl_step (whole batches: its adv_estimator argument)
+    and the streaming trainer (TrainStream, per group) compute the advantages with."""
+    import asyncio
+
+    from buffer import LocalQueues, Sample, SampleBuffer
+    from controller import AsyncController, ControllerConfig, rl_step
+    from stream import TrainStream
+    from task import Problem
+    batch = [Sample(f"t{i}", f"g{i // 2}", [1], [2], [0.0], [1], [0], r)
+             for i, r in enumerate([1.0, 0.0, 3.0, 3.0])]
+    drgrpo = [0.5, -0.5, 0.0, 0.0]
+
+    async def whole_batch(estimator):
+        ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, redundant=0),
+                               SampleBuffer(LocalQueues(1), "test"), iter([Problem("1+1=", "2")]), 1)
+
+        async def collect(on_group=None):
+            return batch, {}
+
+        async def sync_weights(*args, **kwargs):
+            return {}
+        ctrl.collect, ctrl.sync_weights, seen = collect, sync_weights, []
+
+        async def train(samples, advantages, version):
+            seen.append(advantages)
+            return {}, None
+        await rl_step(ctrl, train, None, **({"adv_estimator": estimator} if estimator else {}))
+        return seen[0]
+    assert asyncio.run(whole_batch("drgrpo")) == pytest.approx(drgrpo)
+    assert asyncio.run(whole_batch(None)) == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)   # grpo
+
+    class Backend:
+        def __init__(self):
+            self.seen = []
+
+        async def begin(self, version):
+            pass
+
+        async def add(self, samples, advantages):
+            self.seen += advantages
+
+        async def step(self, version):
+            return {}, None
+
+    async def streamed():
+        stream = TrainStream(2, backend, timeout_s=30, estimator="drgrpo")
+        stream.begin(0)
+        stream.add(batch[:2])
+        stream.add(batch[2:])
+        await stream.finish()
+    backend = Backend()
+    asyncio.run(streamed())
+    assert backend.seen == pytest.approx(drgrpo)
+
+
+def test_adv_estimator_is_a_train_py_flag(capsys):
+    from config import parse_cli
+    from train import Config
+    assert parse_cli(Config, ["--adv-estimator", "drgrpo"]).train.adv_estimator == "drgrpo"
+    with pytest.raises(SystemExit):
+        parse_cli(Config, ["--adv-estimator", "rloo"])
+    assert "--adv-estimator 'rloo': known: grpo, drgrpo" in capsys.readouterr().err
+
+
+def test_gspo_aggregates_per_sequence_unless_told_otherwise():
+    from losses import LossConfig
+    gspo = LossConfig(loss="gspo")
+    assert gspo.agg == "seq-mean-token-mean" == gspo.loss_kwargs()["agg"]
+    assert LossConfig(loss="gspo", loss_agg="token-mean").loss_kwargs()["agg"] == "token-mean"
+    assert LossConfig().agg == "token-mean" == LossConfig(loss="ppo", loss_agg="auto").loss_kwargs()["agg"]
+    help = next(f for f in dataclasses.fields(LossConfig) if f.name == "loss_agg").metadata["help"]
+    assert "seq-mean-token-mean for gspo" in help and "token-mean for the others" in help
+    with pytest.raises(ValueError, match="--loss-agg"):
+        LossConfig(loss_agg="seq-sum")
 
 
 @pytest.mark.parametrize("n, g", [(10, 4), (3, 2)])

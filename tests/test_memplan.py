@@ -54,6 +54,29 @@ def test_the_plans_arithmetic_for_7b_on_16_trainer_ranks():
         == 2 * p / 16
 
 
+def test_colocated_headroom_holds_both_ipc_buffers_at_the_size_of_the_embedding():
+    """--colocate at 7B: a bucket never splits a tensor, so each of the ipc sender's two buffers is the
+    largest bucket, Qwen2.5-7B's embedding alone (1.09 GB in bf16, against 64 MiB buckets), and a sync holds
+    one gathered weight besides (in the engine's dtype); the engine's share leaves the trainer all of it."""
+    from transformers import AutoConfig
+
+    from config import parse_cli
+    from train import Config
+    from weight_sync import plan_buckets
+    cfg = parse_cli(Config, ["--train-gpus", "8", "--rollout-gpus", "8", "--colocate", "--async-ratio", "0"])
+    hf = AutoConfig.from_pretrained(QWEN_7B)
+    plan = memplan.make_plan(hf, cfg, gpu=True)
+    embedding = 152_064 * 3584 * 2                                   # bytes, bfloat16
+    assert embedding > cfg.bucket_mb << 20
+    meta = [("", shape, "bfloat16") for shape in plan.counts["sent"]]
+    assert len(meta) == 339 and [0] in plan_buckets(meta, cfg.bucket_mb << 20)    # the embedding: alone
+    assert plan.trainer["weight sync"] == 2 * embedding + embedding  # 2 buffers + the weight in hand
+    t = plan.trainer
+    assert memplan.colocated_headroom(t, cfg.bucket_mb << 20) == (
+        t["gradients"] + t["AdamW moments"] + t["gathered weights"] + 3 * embedding + memplan.COLOCATE_MARGIN)
+    assert "weight sync" not in memplan.make_plan(hf, Config(train_gpus=8, rollout_gpus=8), gpu=True).trainer
+
+
 def test_dry_run_prints_the_plan_without_torchrun():
     """train.py --dry-run: no torchrun environment, no engine, no process group: the plan and exit 0 (the
     Qwen2.5-7B config at the README's 24 + 16 layout; and the embedded model, which need not be built)."""

@@ -61,9 +61,9 @@ def models(tiny_model_dir):
 def test_chunked_logprobs_and_gradients_equal_the_unchunked(models, kind, chunk, dtype):
     """At the mask's positions: the same logprobs, the same entropy, the same gradient of any loss on them;
     0 elsewhere. chunk 1 and 5 split the 17 selected positions across chunks. float32: within 1e-6 relative
-    (logprobs near -8 are 1e-6 apart at 1 ulp; gradients relative to their largest entry): a [5, H] x [H, V]
-    product rounds unlike a [36, H] x [H, V] one, and weight gradients sum the chunks in another order.
-    float64: the same function, to 1e-12."""
+    (logprobs near -8 are 1e-6 apart at 1 ulp), gradients within 1e-4 of their largest entry: a [5, H] x
+    [H, V] product rounds unlike a [36, H] x [H, V] one, and weight gradients sum the chunks in another order
+    (seen up to 1.1e-5 of it, run to run, under the LoRA model). float64: the same function, to 1e-12."""
     model = models[kind].to(dtype).train()
     ids, attn, mask = batch()
     weights = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))    # a loss weighing each token
@@ -82,7 +82,8 @@ def test_chunked_logprobs_and_gradients_equal_the_unchunked(models, kind, chunk,
     assert (ent[0] - ref_ent[sel[:, 1:]]).abs().max().item() < 10 * tol   # at the position before each
     assert set(have) == set(want) and len(want) > 0
     scale = max(g.abs().max().item() for g in want.values())
-    assert max((have[n] - want[n]).abs().max().item() for n in want) < tol * scale
+    grad_tol = 1e-4 if dtype == torch.float32 else tol
+    assert max((have[n] - want[n]).abs().max().item() for n in want) < grad_tol * scale
     if kind == "lora":
         assert all(".lora_" in n or not p.requires_grad for n, p in model.named_parameters())
 

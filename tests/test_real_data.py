@@ -254,12 +254,12 @@ def test_an_evaluation_round_is_scored_apart_from_training():
         for t in tasks:
             if t.task_id == "eval0.1.t1":      # fails once (retried), then for good
                 for retrying in (True, False):
-                    c._eval_add(Sample(t.task_id, t.group_id, [1], [], [], [], [], 0.0, failed=True,
-                                       meta={"eval": True, "retrying": retrying}))
+                    await c._eval_add(Sample(t.task_id, t.group_id, [1], [], [], [], [], 0.0, failed=True,
+                                             meta={"eval": True, "retrying": retrying}))
                 continue
             assert c.eval_result() == {}
-            c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
-                               meta={"eval": True}))
+            await c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
+                                     meta={"eval": True}))
         return c.eval_result(), c.eval_result(), c.asm.num_ready() + len(c.asm.pending)
     done, again, trained = asyncio.run(main())
     assert (done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5}

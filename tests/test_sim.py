@@ -159,3 +159,56 @@ def test_weight_sync_time_is_the_models_bytes_over_the_link():
     engine = sim.sim_engine(two_nodes, sim.Workload(two_nodes), seed=0)
     assert engine.load_s == pytest.approx(bcast + load)
     assert "0.66 s across nodes" in sim.sync_note(two_nodes)
+
+
+# long-tailed lengths (median 2k, sigma 1.3, cap 16k) at ratio 2, 4 x 4 + 2 redundant on 2 engines, 60 steps:
+# many tasks outlive alpha versions and are aborted as stale by their rank at a sync
+LONG_TAIL = sim.SimConfig(rollout_gpus=2, train_gpus=2, batch_groups=4, group_size=4, redundant=2,
+                          async_ratio=2, len_median=2000, len_sigma=1.3, max_tokens=16384, steps=60)
+
+
+@pytest.mark.parametrize("replicate", [False, True])
+def test_every_admitted_group_ends_in_a_state_the_controller_learns_of(replicate, monkeypatch):
+    """A group whose work a rollout rank aborts as stale must free its admission place: after every step,
+    each group the controller counts as alive still has work somewhere (a queued or running task, a sample
+    on its way or pending), the books balance (admitted = trained + filtered + lost + alive), and the
+    rollout wait of the late steps does not drift up as it did while such groups piled up to alpha x B + R."""
+    managers = []
+
+    class Recorded(sim.EnvManager):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            managers.append(self)
+    monkeypatch.setattr(sim, "EnvManager", Recorded)
+    leaked = []
+
+    def observe(ctrl, step):
+        work = ({t.group_id for m in managers for t, _ in m.jobs.values()}
+                | {t.group_id for m in managers for t in m.held}
+                | {s.group_id for m in managers for s in m.outbox}
+                | {t.group_id for t in ctrl.buffer.t.queues["tasks"]._queue}
+                | {s.group_id for s in ctrl.buffer.t.queues["samples"]._queue} | set(ctrl.asm.pending)
+                | {g[0].group_id for g in ctrl.asm.ready})
+        leaked.append(len(set(ctrl.problem_of) - work))
+        assert ctrl.groups_admitted == ctrl.groups_taken + ctrl._groups_lost() + len(ctrl.problem_of)
+    r = sim.simulate(replace(LONG_TAIL, replicate=replicate), observe=observe)
+    assert sum(m.counters["aborted_stale"] for m in managers) > 0      # the case at hand did happen
+    assert leaked == [0] * LONG_TAIL.steps
+    wait = [row["time_wait_rollout"] for row in r["rows"]]
+    early, late = sum(wait[2:20]) / 18, sum(wait[30:60]) / 30
+    assert late < 1.2 * early, (early, late)
+
+
+def test_batch_rollout_runs_one_round_a_step_when_filtering_leaves_a_batch():
+    """The barrier baseline launches B + R prompts and waits for all of them; it starts another round only
+    when dynamic filtering left fewer than B groups, so its step admits B + R groups when enough survive."""
+    admitted, short = [], []
+
+    def observe(ctrl, step):
+        admitted.append(ctrl.groups_admitted - sum(admitted))
+        short.append(step.info["groups_filtered"] > 16)          # more than R filtered: a second round is due
+    cfg = sim.colocated(replace(sim.RLVR, batch_groups=8, group_size=8, redundant=16, rollout_mode="batch",
+                                steps=6), 8)
+    sim.simulate(cfg, observe=observe)
+    assert not any(short)                                        # (this workload filters ~5 of 24 a step)
+    assert admitted == [24] * 6

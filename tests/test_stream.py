@@ -3,13 +3,16 @@ the dealer's micro-batches; the same over 2 FSDP ranks with unequal shares."""
 
 import os
 import random
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from losses import group_advantages
+import stream
+import trainer
+from losses import AGG_MODES, group_advantages
 from stream import Dealer, GradStream
 from tests.test_trainer import free_port, make_samples
 from trainer import TrainConfig, Trainer
@@ -159,3 +162,93 @@ def test_fsdp_streamed_step_is_the_batch_token_mean_over_ranks(tiny_model_dir, t
     mp.spawn(_fsdp_stream_worker, args=(2, free_port(), str(tiny_model_dir), groups, str(out)), nprocs=2)
     got = torch.load(out)
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+class DefaultElsewhere(types.ModuleType):
+    """torch, except that a tensor made without naming a device lands on "meta": on a GPU trainer the
+    default device (the CPU) is not the trainer's either."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, **kwargs):
+        return torch.tensor(*args, **{"device": "meta", **kwargs})
+
+
+def test_trainer_group_collectives_get_tensors_on_the_trainers_device(tiny_model_dir, monkeypatch):
+    """NCCL takes only tensors on its GPU (gloo takes CPU tensors too, so no gloo run can tell). One rank
+    posing as one of several FSDP ranks, over a stand-in trainer group whose collectives check their tensor's
+    device (one rank: a no-op is the reduction), with stream.py's and trainer.py's tensors made without a
+    device landing elsewhere: the whole-batch step's and the streamed step's collectives each get a tensor
+    on the trainer's device."""
+    tr = Trainer(str(tiny_model_dir), TrainConfig(loss="ppo", lr=1e-3, micro_batch=2))
+    trainer_group, seen = object(), []
+
+    def checked(name):
+        def collective(tensor, *args, group=None, **kwargs):
+            if group is trainer_group:
+                assert tensor.device == tr.device, f"{name}, trainer group: a tensor on {tensor.device}"
+                seen.append(name)
+        return collective
+    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        monkeypatch.setattr(dist, name, checked(name))
+    for module in (stream, trainer):
+        monkeypatch.setattr(module, "torch", DefaultElsewhere("torch"))
+    tr.fsdp, tr.group = True, trainer_group
+    samples, adv = make_samples(tiny_model_dir, n=4), [1.0, -1.0, 1.0, -1.0]
+    tr.train_step(samples, adv, version=0)               # the plan's micro-batch counts
+    grad = GradStream(tr)
+    grad.begin(0)
+    grad.micro(samples, adv)
+    grad.step()                                          # the batch's token count
+    assert seen == ["all_reduce"] * 3 and tr.num_steps == 2       # (plan: counts, totals; stream: den)
+
+
+def _exact_worker(rank, world, port, model_dir, samples, adv, kw, out):
+    """One of `world` FSDP ranks: the gradient of its shard of the whole batch (train_step), then of the same
+    batch streamed (GradStream, dealt round-robin). The optimizer step is replaced by a gather of the full
+    gradient (a collective: every rank runs it)."""
+    from datetime import timedelta
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    tr = Trainer(model_dir, TrainConfig(**kw), dist.group.WORLD)
+    seen: dict = {}
+    tr.opt.step = lambda: seen.update({n: p.grad.full_tensor().clone() for n, p in tr.model.named_parameters()
+                                       if p.grad is not None})
+    tr.train_step(samples[rank::world], adv[rank::world], version=0)
+    whole = dict(seen)
+    seen.clear()
+    grad, dealer = GradStream(tr), Dealer(world, kw["micro_batch"])
+    grad.begin(0)
+    for parts in dealer.add(samples, adv) + dealer.flush():
+        grad.micro(*parts[rank])
+    grad.step()
+    if rank == 0:
+        torch.save({"whole": whole, "streamed": dict(seen)}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_two_fsdp_ranks_with_unequal_tokens_give_the_one_process_gradient(tiny_model_dir, tmp_path, agg):
+    """5 samples over 2 FSDP ranks, whole batch (rank 0: samples 0, 2, 4, 35 response tokens; rank 1: 1, 3,
+    3 tokens) and streamed (dealt 2 per pass): the gradient the optimizer step sees equals one process's on
+    the whole batch within 1e-6 (float32: its largest entries are ~0.15), in every --loss-agg mode: each
+    rank's micro-batches are weighed by the whole batch's tokens (or sequences) over all ranks, not by its
+    own (which would give rank 1's 3 tokens the weight of rank 0's 35)."""
+    samples = [s for i, n in enumerate([14, 2, 12, 1, 9])
+               for s in make_samples(tiny_model_dir, n=1, resp_len=n, seed=i)]
+    adv = [0.05, -0.05, 0.025, -0.035, 0.04]      # small: the gradient's largest entries are ~0.15, as above
+    kw = dict(loss="ppo", loss_agg=agg, micro_batch=2, grad_clip=1e9)
+    one = Trainer(str(tiny_model_dir), TrainConfig(**kw))
+    ref = capture_step(one)
+    one.train_step(samples, adv, version=0)
+    assert max(v.abs().max().item() for v in ref.values()) > 0.05                 # a real gradient
+    out = tmp_path / "grads.pt"
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tiny_model_dir), samples, adv, kw, str(out)), nprocs=2)
+    got = torch.load(out)
+    for path in ("whole", "streamed"):
+        assert set(got[path]) == set(ref)
+        diff = max((got[path][n] - ref[n]).abs().max().item() for n in ref)
+        assert diff < 1e-6, (path, agg, diff, max(v.abs().max().item() for v in ref.values()))

@@ -68,9 +68,10 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
     out = tmp_path / f"ratio{async_ratio}"
     evaluation = ["--eval-every", "2", "--eval-prompts", "8", "--eval-k", "2"] if async_ratio else []
     # the off-policy machinery along: decoupled PPO over 2 mini-batches (async), recomputed old logprobs
-    # (sync)
+    # (sync, with Dr. GRPO's advantages); training samples at temperature 0.7 (beside the evaluation's
+    # greedy and T = 1 ones): engine and trainer log-probs then still agree (logp_diff_on_policy, ratio 1)
     loss = (["--loss", "decoupled_ppo", "--mini-batches", "2", "--behav-weight-cap", "5"] if async_ratio else
-            ["--recompute-old-logprobs"])
+            ["--recompute-old-logprobs", "--adv-estimator", "drgrpo"]) + ["--temperature", "0.7"]
     r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0",
                         *evaluation, *loss), out)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["version"] for x in r] == [1, 2, 3, 4]

@@ -3,6 +3,7 @@ groups (worker processes whose model runner is a stand-in that records what relo
 new generations, a member that dies mid-broadcast. The real engines: tests/test_engine.py."""
 
 import dataclasses
+import datetime
 import multiprocessing
 import os
 import signal
@@ -31,8 +32,12 @@ class RecordingRunner:
         return torch.nn.Module()
 
 
-def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -1):
-    """One engine worker: receive one sync per spec, save what was loaded after each."""
+def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -1, ready=None):
+    """One engine worker: receive one sync per spec, save what was loaded after each. `ready` is set once
+    its imports are done (the group's helpers included), so a short group timeout times the sync, not
+    the start of a process on a busy machine."""
+    import vllm.distributed.utils  # noqa: F401  (what open_group imports)
+    ready.set()
     w = WeightSyncWorker()
     w.model_runner, w.rank = RecordingRunner(), 0
     if die_at_tensor >= 0:         # a worker that dies mid-broadcast (an engine crash)
@@ -48,10 +53,13 @@ def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -
 
 def start_workers(specs, meta, out, ranks=(1, 2), die=None):
     ctx = multiprocessing.get_context("spawn")
+    ready = [ctx.Event() for _ in ranks]
     procs = [ctx.Process(target=_worker, args=(r, [dataclasses.asdict(s) for s in specs], meta, str(out),
-                                               (die or {}).get(r, -1))) for r in ranks]
+                                               (die or {}).get(r, -1), e)) for r, e in zip(ranks, ready)]
     for p in procs:
         p.start()
+    for r, e in zip(ranks, ready):
+        assert e.wait(120), f"test worker (weight-sync rank {r}): not started within 120 s"
     return procs
 
 
@@ -125,3 +133,81 @@ def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and
             p.kill()
     # the survivor's receive fails too
     assert procs[1].exitcode == -signal.SIGKILL and procs[0].exitcode != 0
+
+
+class FailingGroup:
+    """A weight-sync group whose every broadcast fails in its wait, as an NCCL group in blocking-wait mode
+    does when a member died (or at the timeout); it logs the waits' timeouts and its abort."""
+
+    def __init__(self):
+        self.log = []
+
+    def broadcast(self, t, src):
+        log = self.log
+
+        class Work:
+            def wait(self, timeout=None):
+                log.append(("wait", timeout))
+                raise RuntimeError("NCCL error: remote process exited or there was a network error")
+        return Work()
+
+    def abort(self):
+        self.log.append(("abort",))
+
+
+def test_a_failed_wait_is_bounded_and_aborts_that_group_on_both_sides(monkeypatch):
+    """Each wait in the weight-sync group carries the group's timeout (an NCCL wait without one only
+    orders streams and never raises), and a failed one aborts that group, on the sender and on a worker;
+    the next sync forms the group again."""
+    import weight_sync
+    opened = []
+    monkeypatch.setattr(weight_sync, "open_group",
+                        lambda spec, rank, store=None: opened.append(FailingGroup()) or opened[-1])
+    sender = Sender(timeout_s=7)
+    spec = sender.spec(0, 1)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"trainer rank 0: weight broadcast bucket 0 \(gen 0\) failed"):
+            sender.send(spec, iter(NAMED), weight_meta(NAMED))
+        assert sender.pg is None
+    # each sync formed the group anew; each wait was bounded, and the failed group aborted
+    assert [g.log for g in opened] == [[("wait", datetime.timedelta(seconds=7)), ("abort",)]] * 2
+
+    worker = WeightSyncWorker()
+    worker.model_runner = RecordingRunner()
+    worker._sync_pg, worker._sync_gen = FailingGroup(), (spec.host, spec.port, spec.prefix, spec.gen)
+    log = worker._sync_pg.log
+    with pytest.raises(RuntimeError, match=r"engine worker \(weight-sync rank 1, gen 0\): weight broadcast "
+                                           r"bucket 0 failed or timed out"):
+        worker.receive_weights(dataclasses.asdict(spec), 1, weight_meta(NAMED))
+    assert log == [("wait", datetime.timedelta(seconds=7)), ("abort",)]
+    assert worker._sync_pg is None and worker._sync_gen is None
+
+
+def test_the_nccl_group_is_built_to_raise_in_its_waits_with_no_watchdog(monkeypatch):
+    """ProcessGroupNCCL reads TORCH_NCCL_BLOCKING_WAIT and TORCH_NCCL_ASYNC_ERROR_HANDLING in its constructor,
+    once per group: the weight-sync group is built with blocking waits and no error handling (no watchdog
+    to take the process down), and every other group keeps what the environment said before (the trainer
+    group's FSDP waits must not block), also when building it fails."""
+    from torch.distributed import TCPStore
+    from vllm.platforms import current_platform
+
+    import weight_sync
+    names = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    before = {k: os.environ.get(k) for k in names}
+    seen = []
+
+    def build(backend, store, rank, size, timeout):
+        seen.append(({k: os.environ.get(k) for k in names}, backend, rank, size, timeout))
+        if len(seen) > 1:
+            raise RuntimeError("ncclCommInitRank failed")
+        return "group"
+    monkeypatch.setattr(current_platform, "stateless_init_device_torch_dist_pg", build)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = weight_sync.GroupSpec("127.0.0.1", store.port, "t", 0, 3, backend="nccl", timeout_s=9)
+    assert weight_sync.open_group(spec, 2, store) == "group"
+    assert seen == [({"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, "nccl", 2, 3,
+                     datetime.timedelta(seconds=9))]
+    assert {k: os.environ.get(k) for k in names} == before
+    with pytest.raises(RuntimeError, match="ncclCommInitRank"):
+        weight_sync.open_group(spec, 2, store)
+    assert {k: os.environ.get(k) for k in names} == before

@@ -10,6 +10,7 @@ Run from the repository root as modules, e.g. `.venv/bin/python -m tools.sim que
     bench_proxy.py      proxy vs raw AsyncLLM throughput, weight update time
     bench_weight_sync.py  the weight sync before and after it went straight into the engines
     bench_trainer.py    the trainer at scale on CPU: log-prob, activation, start-up memory, packing, memplan
+    gpu_check.py        the trainer side's GPU paths on one GPU, checked and measured in one run
     bench_chaos.py      random SIGKILLs of a run under torchrun --max-restarts: what each costs
     soak.py             a long faulty run watched for leaks (memory, fds, threads, requests in flight)
     profile_step.py     where a default step's time goes, in every process of the job
