@@ -262,6 +262,15 @@ _QueueManager.register("get_queue", callable=_served)
 _QueueManager.register("get_queues", callable=ServedQueues)
 
 
+def queue_bind() -> str | None:
+    """Where trainer rank 0's queue server listens: on one node, MASTER_ADDR (loopback stays loopback);
+    across nodes every interface, because under torchrun's c10d rendezvous MASTER_ADDR is node 0's
+    name, which node 0 itself may resolve to a loopback address (127.0.1.1 on many Ubuntu hosts and
+    containers) that the other nodes cannot reach. The clients connect to MASTER_ADDR either way."""
+    world = int(os.environ["WORLD_SIZE"])
+    return "" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else None
+
+
 class ManagerQueues:
     """Queues served over TCP by a multiprocessing manager (train.py). The server side (trainer
     rank 0) calls serve(); every other rank connect()s with the same address and authkey."""

@@ -1,14 +1,21 @@
-"""config.py: typed configs as CLI flags. Each component owns a dataclass (its fields, defaults, --help and
-validation); an entry point's config composes them, and every leaf field becomes one flat --flag.
+"""config.py: typed configs as CLI flags, and the extensions that bring their own.
+
+Each component owns a dataclass (its fields, defaults, --help and validation); an entry point's config
+composes them, and every leaf field becomes one flat --flag:
 
     @dataclass
     class Config:
         steps: int = opt(80, "training steps")                  # the entry point's own setting
         controller: ControllerConfig = part(ControllerConfig)   # --batch-groups, --async-ratio, ...
+        ext: dict = extensions()                                # every ext/ file's flags: cfg.ext["lora"]
     cfg = parse_cli(Config, doc=__doc__)                        # cfg.controller.async_ratio
 
 A flag name declared twice (by the entry point and a part, or by two parts) is an error when the parser is
 built: every setting has one declaration, one default and one validator.
+
+An optional capability is one file in ext/ holding an Extension subclass, registered with @extension: its
+flags (Config) and the hooks it fills in. The core calls the hooks (train.py asks Extensions for them),
+and never looks at an extension's flags. Which hooks exist and why: DESIGN.md#seams.
 """
 
 import argparse
@@ -29,6 +36,186 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# ---------------------------------------------------------------------------------------------
+# extensions
+
+EXTENSIONS: dict[str, type] = {}    # name -> Extension subclass, in the order ext/ registered them
+
+
+def extension(cls):
+    """Class decorator of an ext/ file's Extension: registered under cls.name."""
+    if not cls.name or cls.name in EXTENSIONS:
+        raise TypeError(f"extension {cls.__name__}: name {cls.name!r} is empty or taken")
+    EXTENSIONS[cls.name] = cls
+    return cls
+
+
+def extensions():
+    """The entry point's field holding every registered extension's flags: {name: its Config}."""
+    return dataclasses.field(default_factory=lambda: {n: c.Config() for n, c in EXTENSIONS.items()
+                                                      if c.Config}, metadata={"ext": True})
+
+
+class Extension:
+    """An optional capability. The core calls each hook below at the point its docstring names (train.py
+    asks the run's Extensions for them); each is a no-op here (None: "nothing from me"), and an extension
+    overrides the ones it needs. One instance per process, made only when its flags ask for it (wanted)."""
+    name = ""
+    Config = None                       # its flags: a dataclass, cfg.ext[name]
+    order = 0                           # hooks are called in (order, registration) order
+
+    def __init__(self, cfg, part):
+        self.cfg, self.part = cfg, part
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        """Do these flags turn it on? (An extension without flags is always on.)"""
+        return True
+
+    @classmethod
+    def configure(cls, cfg, part):
+        """At parse time: raise ValueError naming the flags that do not fit the rest of cfg; may settle a
+        core setting left "auto" (--weight-transport)."""
+
+    # --- launch (train.py main, every rank)
+    def before_launch(self):
+        """Before any process group starts; may exit (--dry-run)."""
+
+    def embedded_model(self):
+        """With no --model: a builder of the embedded model to use, (log) -> its dir (an env's own)."""
+
+    def start_from(self, base_dir: str, ckpt: str, state):
+        """The model dir the run's weights start from, if not the checkpoint's (resume) or the base's."""
+
+    def resolve(self, cfg):
+        """cfg with settings of its own resolved (defaults that depend on the model, the task, the env)."""
+        return cfg
+
+    def startup_lines(self, model_dir: str, device: str) -> str | None:
+        """Text rank 0 prints at start-up (the memory plan)."""
+
+    # --- trainer ranks
+    def trainer_weights(self):
+        """What the trainer trains, syncs and saves, if not the whole model (trainer.Weights)."""
+
+    def after_train(self, trainer):
+        """Every trainer rank, after each batch trained."""
+
+    # --- trainer rank 0: the problems, the controller, the loop
+    def problem_maker(self, seed: int):
+        """make(rng) -> Problem for generated problems, if not the default task's (--task)."""
+
+    def problem_source(self, source: tuple, seed: int) -> tuple:
+        """(problems or None, make) as training draws them (a workload's lengths)."""
+        return source
+
+    def held_out(self, problems, seed: int):
+        """(training problems, held-out problems), if some are held out (--eval-every)."""
+
+    def admission(self, ctrl_cfg):
+        """Which prompts run and when (controller.Admission), if not the async ratio's own."""
+
+    def train_backend(self, ranks, probe_due):
+        """How a step's groups are trained (controller.TrainBackend), if not as one whole batch."""
+
+    def on_controller(self, ctrl, state: dict | None):
+        """The controller is built (state: the checkpoint's on a resume): taps, events, trackers."""
+
+    async def before_train(self, ctrl):
+        """Before each whole batch trains (--colocate: the engines sleep)."""
+
+    async def after_step(self, ctrl, step: int, final: bool) -> dict | None:
+        """After each step's sync: metrics to add to its row (evaluation)."""
+
+    def on_ready(self, t: float):
+        """The engines are up (time.time())."""
+
+    def on_row(self, row: dict):
+        """A step's row of metrics.jsonl (trackers, the timeline's flush)."""
+
+    def step_line(self, row: dict) -> str | None:
+        """What the step's progress line adds."""
+
+    def summary_lines(self, runlog) -> list[str] | None:
+        """Lines of the end-of-run summary."""
+
+    def run_files(self) -> list[str] | None:
+        """Files the run wrote, for the summary."""
+
+    def on_finish(self):
+        """The run ended (before the summary)."""
+
+    def close(self):
+        """At the end of the run, whatever happened; idempotent."""
+
+    # --- rollout ranks
+    def engine_args(self, model_dir: str, device: str, who: str) -> dict | None:
+        """Keywords for the engine's start (vllm_engine.VLLMEngine.start, AsyncEngineArgs')."""
+
+    def on_engine(self, engine):
+        """Every new engine (vllm_engine.VLLMEngine), once started."""
+
+    def on_proxy(self, proxy, index: int, t_start: float):
+        """The rank's proxy is up (its engine started at t_start, time.time())."""
+
+    def env_wrapper(self, index: int):
+        """(env) -> env, for every env rollout rank `index` makes (injected faults)."""
+
+    def scorer(self):
+        """What scores answers, if not inline: async score(problem, response), stats(), shutdown()."""
+
+    def env_deadline(self):
+        """The env calls' deadline (rollout.FixedDeadline's interface), if not --env-step-timeout-s."""
+
+
+class Extensions(list):
+    """The extensions a run's flags turn on."""
+
+    @classmethod
+    def start(cls, cfg) -> "Extensions":
+        on = [c(cfg, cfg.ext.get(n)) for n, c in EXTENSIONS.items() if c.wanted(cfg.ext.get(n))]
+        return cls(sorted(on, key=lambda e: e.order))
+
+    @staticmethod
+    def configure(cfg):
+        for n, c in EXTENSIONS.items():
+            if c.wanted(cfg.ext.get(n)):
+                c.configure(cfg, cfg.ext.get(n))
+
+    def call(self, hook: str, *args) -> list:
+        """Every extension's answer to hook(*args), None left out."""
+        return [r for r in (getattr(e, hook)(*args) for e in self) if r is not None]
+
+    def first(self, hook: str, *args):
+        """The one extension that answers hook(*args), or None; two answering is an error."""
+        got = [(e.name, r) for e in self if (r := getattr(e, hook)(*args)) is not None]
+        if len(got) > 1:
+            raise ValueError(f"{' and '.join(n for n, _ in got)} both provide {hook}: pick one")
+        return got[0][1] if got else None
+
+    async def acall(self, hook: str, *args) -> list:
+        return [r for e in self if (r := await getattr(e, hook)(*args)) is not None]
+
+    def fold(self, hook: str, value, *args):
+        """value passed through every extension's hook(value, *args) in turn."""
+        for e in self:
+            value = getattr(e, hook)(value, *args)
+        return value
+
+    def resolve(self, cfg):
+        """cfg through every extension's resolve; each then sees the result."""
+        return self.update(self.fold("resolve", cfg))
+
+    def update(self, cfg):
+        for e in self:
+            e.cfg, e.part = cfg, cfg.ext.get(e.name)
+        return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# flags
+
+
 def leaf_fields(cls, owner: str = "") -> list[tuple[str, dataclasses.Field]]:
     """(owner path, field) for every flag of `cls`: its own fields, then its parts' fields, recursively.
     Raises if two of them share a name (one declaration per setting)."""
@@ -36,6 +223,8 @@ def leaf_fields(cls, owner: str = "") -> list[tuple[str, dataclasses.Field]]:
     for f in dataclasses.fields(cls):
         if f.metadata.get("part"):
             sub = leaf_fields(f.default_factory, f"{owner}{f.name}.")
+        elif f.metadata.get("ext"):
+            sub = [x for n, c in EXTENSIONS.items() if c.Config for x in leaf_fields(c.Config, f"ext.{n}.")]
         else:
             sub = [(owner, f)]
         for path, g in sub:
@@ -51,7 +240,12 @@ def _build(cls, values: dict):
     """`cls` from the flat parsed values; parts are built (and validate themselves) first."""
     kw = {}
     for f in dataclasses.fields(cls):
-        kw[f.name] = _build(f.default_factory, values) if f.metadata.get("part") else values[f.name]
+        if f.metadata.get("part"):
+            kw[f.name] = _build(f.default_factory, values)
+        elif f.metadata.get("ext"):
+            kw[f.name] = {n: _build(c.Config, values) for n, c in EXTENSIONS.items() if c.Config}
+        else:
+            kw[f.name] = values[f.name]
     return cls(**kw)
 
 

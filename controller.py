@@ -1,16 +1,19 @@
 """controller.py: the AsyncController (on trainer rank 0) and rl_step, the loop every runner shares.
 
-    step = await rl_step(ctrl, train, send, meta, group)   # collect -> advantages -> train -> sync weights
-    # = batch, info = await ctrl.collect()                  # admit prompts under the async ratio, B groups
-    #   ... train on the batch ...
+    step = await rl_step(ctrl, backend, send, meta, group)   # collect -> train -> sync weights
+    # = batch, info = await ctrl.collect(backend.add)         # admit prompts under the async ratio, B groups
+    #   metrics, probe = await backend.finish()               # advantages, train (WholeBatch: at once)
     #   sync = await ctrl.sync_weights(version + 1, send, meta, group=spec)   # into the engines
 
-Admission (async ratio alpha): at version v at most (v - v0 + alpha + 1) * B groups are alive, plus
---redundant ones for dynamic filtering; alpha = 0 is the synchronous baseline in the same code.
-Rollout modes: "queue" ends a step as soon as B good groups are in; "batch" (the paper's baseline)
+Admission (async ratio alpha, the Admission policy): at version v at most (v - v0 + alpha + 1) * B groups
+are alive, plus --redundant ones for dynamic filtering; alpha = 0 is the synchronous baseline in the same
+code. Rollout modes: "queue" ends a step as soon as B good groups are in; "batch" (the paper's baseline)
 waits for every admitted group (a barrier). The trainer waits only for the broadcast of a weight
 sync; the SYNCED acks are awaited by the next sync_weights (one sync in flight at most).
-The command/ack protocol, its table and its timeouts: DESIGN.md#controllerpy.
+Two seams: an Admission policy decides how many groups may be in flight and which prompt runs next
+(ext/tail_batching.py is one); a TrainBackend trains a step's groups (WholeBatch: once the batch is
+complete; ext/stream_trainer.py: each group as it completes). `taps` see every sample first (ext/eval.py).
+The command/ack protocol, its table and its timeouts: DESIGN.md#the-control-protocol.
 """
 
 import asyncio
@@ -27,7 +30,6 @@ from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Lost, Phase, Rollo
 from config import flag, opt
 from losses import estimate_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
-from tail import Round, TailBatcher
 from task import Problem
 
 
@@ -56,17 +58,6 @@ class ControllerConfig:
                                            "VLLM_ENGINE_READY_TIMEOUT_S is set a minute above it), a rollout "
                                            "rank's connect to the queue server, the engines' READY")
     heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
-    tail_batching: bool = opt(False, "RollPacker's tail batching: short rounds over-sample prompts "
-                                     "(--tail-oversample) and defer every group not done within "
-                                     "async-ratio + 1 steps of its admission to a long-prompt queue; once "
-                                     "it holds a batch, a long round runs those prompts to full length "
-                                     "(tail.py)")
-    tail_oversample: float = opt(1.5, "tail batching: a short round admits this many times --batch-groups "
-                                      "prompts for its batch (plus --redundant)")
-    tail_extra_samples: int = opt(0, "tail batching, single-turn: a short round runs this many samples per "
-                                     "prompt beyond --group-size, and the first group-size to finish make "
-                                     "the group (biases groups towards their shorter answers); 0 = none")
-
     def __post_init__(self):
         for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
                           ("env_redundancy", 0)):
@@ -82,26 +73,69 @@ class ControllerConfig:
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
-        if self.tail_oversample < 1 or self.tail_extra_samples < 0:
-            raise ValueError(f"--tail-oversample must be >= 1 and --tail-extra-samples >= 0, got "
-                             f"{self.tail_oversample} and {self.tail_extra_samples}")
-        if self.tail_batching and self.rollout_mode != "queue":
-            raise ValueError("--tail-batching ends a short round as soon as its batch is complete: it needs "
-                             "--rollout-mode queue")
         if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
                              f"always has all-equal rewards, so every group would be filtered and no batch "
                              f"could form; "
                              f"use --group-size >= 2")
-        from envs import ENVS
+        from rollout import ENVS
         if self.env not in ENVS:
             raise ValueError(f"--env {self.env!r}: no such environment; known: "
                              f"{', '.join(k for k in ENVS if k)} (empty: single-turn RLVR)")
 
 
+class Admission:
+    """How many groups may be in flight and which prompt runs next: the async ratio's bound (module
+    docstring). Another policy (ext/tail_batching.py) overrides these; the controller calls each at the
+    point its name says."""
+
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+
+    def begin_step(self, ctrl) -> int:
+        """A step's collect starts; returns the groups to admit now, whatever the capacity."""
+        return 0
+
+    def capacity(self, ctrl) -> int:
+        """How many more groups may be admitted now: the batches this controller may have out."""
+        steps = ctrl.version - ctrl.version0 + self.cfg.async_ratio + 1
+        return steps * self.cfg.batch_groups + self.cfg.redundant - ctrl.alive()
+
+    def next_problem(self) -> Problem | None:
+        """A prompt of the policy's own to admit next (None: the stream's next)."""
+        return None
+
+    def admitted(self, gid: str, version: int) -> int:
+        """Group gid was admitted at `version`; returns how many samples it runs (the first G make it)."""
+        return self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
+
+    def taken(self, gid: str):
+        """The group joins the batch being collected."""
+
+    def resolved(self, gid: str):
+        """The group was trained or lost (filtered, failed, stale): forget it."""
+
+    async def end_step(self, ctrl) -> dict:
+        """The batch is complete; returns the step's metrics of the policy's own."""
+        return {}
+
+    def counters(self, ctrl) -> dict:
+        """The policy's own totals for rollout_stats.json."""
+        return {}
+
+    def state(self, ctrl) -> dict:
+        """For a checkpoint: the prompts admitted and not yet trained or lost ("in_flight": Problems)."""
+        return {"in_flight": ctrl.in_flight_problems()}
+
+    def restore(self, ctrl, state: dict):
+        """Resume: the checkpoint's prompts in flight (and any other policy's queues) run first."""
+        ctrl.readmit.extend(state.get("in_flight", []) + state.get("long_queue", []))
+
+
 class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
-                 version: int = 0, prompt_len=None, max_model_len: int = 0, log=None):
+                 version: int = 0, prompt_len=None, max_model_len: int = 0, log=None,
+                 admission: Admission | None = None):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
@@ -109,9 +143,7 @@ class AsyncController:
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
         self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups, cfg.sample_order)
-        # --tail-batching: the rounds and the long-prompt queue (None: off)
-        self.tb = (TailBatcher(cfg.batch_groups, cfg.async_ratio, cfg.tail_oversample, cfg.tail_extra_samples)
-                   if cfg.tail_batching else None)
+        self.admission = admission or Admission(cfg)
         self.extra: set[str] = set()           # unresolved groups running more samples than group_size
         self.groups_admitted = 0
         self.groups_taken = 0
@@ -123,7 +155,7 @@ class AsyncController:
         self.max_model_len = max_model_len
         self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
         self.prompts_rejected = 0
-        self.eval_round: dict | None = None    # the evaluation round in flight (start_eval)
+        self.taps: list = []                   # async (sample) -> True if it took the sample (ext/eval.py)
         self._gid = itertools.count()
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
@@ -145,7 +177,6 @@ class AsyncController:
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
-        self._long_taken = 0
         self.taken_before_step = 0             # groups_taken when this step's collect began
         self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
 
@@ -154,14 +185,13 @@ class AsyncController:
         """Admitted groups that ended without being trained: filtered, or lost for a reason of Lost."""
         return self.asm.groups_filtered + sum(getattr(self.asm, f"groups_{why}") for why in Lost)
 
+    def alive(self) -> int:
+        """Admitted groups not lost or filtered (trained ones count: their batches' places)."""
+        return self.groups_admitted - self._groups_lost()
+
     def admission_capacity(self) -> int:
-        """How many more groups may be admitted now (see module docstring; tail batching: tail.py)."""
-        alive = self.groups_admitted - self._groups_lost()
-        if self.tb is not None:    # (this step's batch holds its places until the step ends, streamed or not)
-            return self.tb.target(self.cfg.redundant) - (alive - self.taken_before_step)
-        # batches this controller may have out
-        steps = self.version - self.version0 + self.cfg.async_ratio + 1
-        return steps * self.cfg.batch_groups + self.cfg.redundant - alive
+        """How many more groups may be admitted now (the Admission policy's say)."""
+        return self.admission.capacity(self)
 
     def _next_problem(self) -> Problem:
         """The next prompt to admit: one to run again first, else the stream's next that fits the
@@ -169,8 +199,8 @@ class AsyncController:
         observation is not). A prompt that cannot fit is refused, counted and logged, not retried."""
         if self.readmit:
             return self.readmit.popleft()
-        if self.tb is not None and (long := self.tb.next_problem()) is not None:
-            return long
+        if (own := self.admission.next_problem()) is not None:
+            return own
         for _ in range(10_000):
             problem = next(self.problems)
             self.groups_drawn += 1
@@ -188,17 +218,13 @@ class AsyncController:
                          f"({self.max_model_len} tokens); raise --max-model-len or shorten the data")
 
     async def admit(self, at_least: int = 0) -> int:
-        """Admit as many groups as admission allows (at least `at_least`: a long round's block)."""
+        """Admit as many groups as admission allows (at least `at_least`: Admission.begin_step's)."""
         n = max(0, self.admission_capacity(), at_least)
         tasks = []
         for _ in range(n):
             problem = self._next_problem()
             gid = f"g{next(self._gid)}"
-            tasks_per_group = self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
-            if self.tb is not None:
-                self.tb.admitted(gid, self.version)
-                tasks_per_group = max(tasks_per_group, self.tb.samples_per_group(self.cfg.group_size,
-                                                                                 not self.cfg.env))
+            tasks_per_group = self.admission.admitted(gid, self.version)
             if tasks_per_group > self.cfg.group_size:
                 self.extra.add(gid)
                 self.asm.expect(gid, tasks_per_group)
@@ -215,26 +241,22 @@ class AsyncController:
         return n
 
     # --- run: collect one batch
-    async def collect(self, on_group=None) -> tuple[list, dict]:
+    async def collect(self, on_group=None, stream: bool = False) -> tuple[list, dict]:
         """Admit and collect until B complete groups are in; returns (their samples, the step's info).
-        on_group (the streaming trainer): each group is handed to on_group(samples) as soon as it is
-        complete, in the order it completed (--sample-order oldest's), and it is part of this batch."""
+        Each group of the batch is handed to on_group(samples) (a TrainBackend's add): at the end, or with
+        `stream` as soon as it is complete, in the order it completed (--sample-order oldest's)."""
         cfg, asm = self.cfg, self.asm
         t0, wall0 = now(), time.time()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
-                      failed=asm.samples_failed, surplus=asm.samples_surplus,
-                      deferred=self.tb.deferred if self.tb else 0,
-                      long_dropped=self.tb.long_dropped if self.tb else 0)
+                      failed=asm.samples_failed, surplus=asm.samples_surplus)
         self.step_rewards = []
-        kind = self.tb.begin_step() if self.tb is not None else Round.PLAIN
         committed: list[list] = []                     # groups already handed to on_group
-        self._long_taken = 0                           # long-round groups in this batch
         self.taken_before_step = self.groups_taken
-        await self.admit(at_least=self.tb.long_block() if self.tb is not None else 0)
+        await self.admit(at_least=self.admission.begin_step(self))
         ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
         t_beat = now()
         while True:
-            if on_group is not None:
+            if stream:
                 self._commit(committed, on_group)
             n_ready = len(committed) + asm.num_ready()
             enough = n_ready >= cfg.batch_groups
@@ -255,9 +277,8 @@ class AsyncController:
                 s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
             except TimeoutError:
                 continue                                 # a heartbeat, a replaced engine, or the stall report
-            if s.meta.get("eval"):
-                await self._eval_add(s)                  # evaluation: scored, never trained
-                continue
+            if self.taps and await self._tapped(s):
+                continue                                 # (evaluation: scored, never trained)
             gid = s.group_id
             closed_before, alive_before = len(asm.closed), gid not in asm.dead
             asm.add(s, self.version)
@@ -281,10 +302,8 @@ class AsyncController:
             # left it short of a batch
             if cfg.rollout_mode == "queue" or (n_ready < cfg.batch_groups and self._all_admitted_done()):
                 await self.admit()
-        groups = asm.take(cfg.batch_groups - len(committed), self.version)
-        for g in groups:
-            self._taken(g)
-        groups = committed + groups
+        self._commit(committed, on_group)
+        groups = committed
         if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
             raise RuntimeError(self._spin_report(before, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
@@ -295,8 +314,7 @@ class AsyncController:
         horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER
         self.trained_groups = {g: v for g, v in self.trained_groups.items() if v >= horizon}
         self.trained_groups.update((g[0].group_id, self.version) for g in groups)
-        if self.tb is not None:
-            await self._give_up_overdue()
+        policy = await self.admission.end_step(self)
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
             "time_wait_rollout": now() - t0,
@@ -311,11 +329,8 @@ class AsyncController:
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
             "turns_mean": sum(s.num_turns for s in batch) / len(batch),     # model turns per sample
+            **policy,
         }
-        if self.tb is not None:
-            info.update(round=str(kind), prompts_deferred=self.tb.deferred - before["deferred"],
-                        long_queue=len(self.tb.long_queue), groups_long_trained=self._long_taken,
-                        prompts_long_dropped=self.tb.long_dropped - before["long_dropped"])
         self._collect_span = [wall0, time.time()]
         return batch, info
 
@@ -346,37 +361,39 @@ class AsyncController:
                 f"(reward mean {mean:.3f}: the task is too hard or too easy for the model) "
                 f"{tail}").rstrip()
 
+    async def _tapped(self, s) -> bool:
+        for tap in self.taps:
+            if await tap(s):
+                return True
+        return False
+
     def _commit(self, committed: list, on_group):
-        """Streaming: hand the ready groups to the trainer at once, up to the batch."""
+        """Hand the ready groups to the trainer (on_group), up to the batch."""
         for g in self.asm.take(self.cfg.batch_groups - len(committed), self.version):
             committed.append(g)
-            self._taken(g)
-            on_group(g)
-
-    def _taken(self, g: list):
-        """A group joins the batch."""
-        self.groups_taken += 1
-        self._long_taken += self.tb is not None and g[0].group_id in self.tb.long
-        self._forget(g[0].group_id)
+            self.groups_taken += 1
+            self.admission.taken(g[0].group_id)
+            self._forget(g[0].group_id)
+            if on_group is not None:
+                on_group(g)
 
     def _forget(self, gid: str):
         """A group was trained or lost: no longer a prompt in flight."""
         self.problem_of.pop(gid, None)
         self.extra.discard(gid)
-        if self.tb is not None:
-            self.tb.resolved(gid)
+        self.admission.resolved(gid)
 
-    async def _give_up_overdue(self):
-        """Tail batching, at the end of a step: abort the groups that had their alpha + 1 versions and are
-        not complete; a short round's prompts go to the long queue, a long round's are dropped."""
-        ready = {g[0].group_id for g in self.asm.ready}
-        overdue = self.tb.overdue(self.version, [g for g in self.problem_of if g not in ready])
-        for gid in overdue:
+    async def give_up(self, gids: list[str]) -> list[Problem | None]:
+        """An admission policy gives up on these unresolved groups (deferred): their work is aborted;
+        returns their prompts."""
+        problems = []
+        for gid in gids:
             self.asm.defer(gid, self.version)
-            self.tb.give_up(gid, self.problem_of.pop(gid, None))
+            problems.append(self.problem_of.pop(gid, None))
             self.extra.discard(gid)
-        if overdue:
-            await self._abort_groups(overdue)
+        if gids:
+            await self._abort_groups(gids)
+        return problems
 
     def _heartbeat(self, before: dict, elapsed: float) -> str:
         asm = self.asm
@@ -386,16 +403,10 @@ class AsyncController:
                 f"{asm.groups_filtered - before['filtered']} groups filtered, "
                 f"{self.buffer.num_queued_tasks()} tasks queued")
 
-    def in_flight_problems(self) -> list[Problem]:
-        """Prompts admitted and not yet trained or lost, oldest first: a checkpoint keeps them, so
-        a resumed run admits them again instead of skipping them. (Tail batching: a long round's are
-        kept with the long queue, long_queue_problems.)"""
-        long = self.tb.long if self.tb is not None else ()
-        return list(self.readmit) + [p for g, p in self.problem_of.items() if g not in long]
-
-    def long_queue_problems(self) -> list[Problem]:
-        """Tail batching, for a checkpoint: the long round's prompts in flight, then the long queue."""
-        return self.tb.pending_long(self.problem_of) if self.tb is not None else []
+    def in_flight_problems(self, skip=()) -> list[Problem]:
+        """Prompts admitted and not yet trained or lost, oldest first (groups in `skip` left out): a
+        checkpoint keeps them, so a resumed run admits them again instead of skipping them."""
+        return list(self.readmit) + [p for g, p in self.problem_of.items() if g not in skip]
 
     def _stall_report(self, before: dict) -> str:
         """Why no batch could form: what happened to the samples of this step, with an example."""
@@ -597,53 +608,6 @@ class AsyncController:
                            "rollout_utilisation": self._utilisation(acks)}
         return self.unreported
 
-    # --- evaluation: held-out prompts through the same engines, never trained
-    async def start_eval(self, problems: list[Problem], k: int):
-        """Admit one evaluation round at the current version: every problem once greedy and k times
-        at temperature 1. Its samples come back with the training samples; collect() sets them aside;
-        eval_result() reports the round once every sample is in."""
-        if self.eval_round is not None:
-            return                                      # the previous round is still running: skip this one
-        tasks = []
-        for i, p in enumerate(problems):
-            gid = f"eval{self.version}.{i}"
-            tasks.append(RolloutTask(f"{gid}.greedy", gid, p, 1, self.version, "", eval_temperature=0.0))
-            tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, self.version, "", eval_temperature=1.0)
-                      for j in range(k)]
-        self.eval_round = {"version": self.version, "k": k, "left": len(tasks), "greedy": [], "sampled": [],
-                           "tasks": {t.task_id: t for t in tasks}}
-        await self.buffer.put_tasks(tasks)
-
-    async def _eval_add(self, s):
-        r = self.eval_round
-        if r is None or s.task_id not in r["tasks"] or (s.failed and s.meta.get("retrying")):
-            return                                      # another attempt follows (or not this round's)
-        if s.meta.get("aborted"):                       # its rank ended it (--colocate's SLEEP): run it again
-            await self.buffer.put_tasks([r["tasks"][s.task_id]])
-            return
-        (r["greedy"] if s.task_id.endswith(".greedy") else r["sampled"]).append(0.0 if s.failed else s.reward)
-        r["left"] -= 1
-
-    def eval_result(self) -> dict:
-        """The finished evaluation round's accuracy (greedy, and mean@k: the mean reward of the k
-        samples per prompt), once; {} while none has finished."""
-        r = self.eval_round
-        if r is None or r["left"] > 0:
-            return {}
-        self.eval_round = None
-        return {"eval_version": r["version"], "eval_greedy": sum(r["greedy"]) / max(len(r["greedy"]), 1),
-                f"eval_mean_at_{r['k']}": sum(r["sampled"]) / max(len(r["sampled"]), 1)}
-
-    async def finish_eval(self) -> dict:
-        """Wait for the running evaluation round (training samples meanwhile are left unconsumed)."""
-        while self.eval_round is not None and self.eval_round["left"] > 0:
-            s = await self.buffer.get_sample(timeout=self.cfg.timeout_s)
-            if s.meta.get("eval"):
-                await self._eval_add(s)
-            else:
-                self.samples_unconsumed += 1
-        return self.eval_result()
-
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""
         asm = self.asm
@@ -651,11 +615,8 @@ class AsyncController:
                "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
                "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
                "groups_interrupted": asm.groups_interrupted,
-               "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed}
-        if self.tb is not None:
-            out.update(prompts_deferred=self.tb.deferred, prompts_long_dropped=self.tb.long_dropped,
-                       groups_deferred=asm.groups_deferred, samples_deferred=asm.samples_deferred,
-                       long_queue=len(self.tb.long_queue))
+               "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed,
+               **self.admission.counters(self)}
         return out
 
     async def stop(self) -> list[dict]:
@@ -694,37 +655,52 @@ def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, ma
     return itertools.islice(gen, start, None)
 
 
+class WholeBatch:
+    """The default TrainBackend: a step's groups trained at once, when the batch is complete. A backend:
+    begin(version); add(group) for every group of the batch (at once when `streams`, else as collect()
+    hands them over at its end); await finish() -> (metrics, probe_ref). ext/stream_trainer.py streams.
+    train: async (batch, advantages, version) -> (metrics, probe_ref or None); before: async callables
+    run before it trains (--colocate: the engines sleep); estimator: --adv-estimator."""
+    streams = False
+
+    def __init__(self, train, group_size: int, estimator: str = "grpo", before=()):
+        self.train, self.G, self.estimator, self.before = train, group_size, estimator, list(before)
+
+    def begin(self, version: int):
+        self.version, self.groups = version, []
+
+    def add(self, group: list):
+        self.groups.append(group)
+
+    async def finish(self) -> tuple[dict, list | None]:
+        batch = [s for g in self.groups for s in g]
+        advantages = estimate_advantages(torch.tensor([s.reward for s in batch]), self.G, self.estimator).tolist()
+        for hook in self.before:
+            await hook()
+        t = now()                                                                 # loop time (sim: virtual)
+        metrics, probe_ref = await self.train(batch, advantages, self.version)
+        return {**metrics, "time_trainer_busy": now() - t}, probe_ref
+
+
 class Step(NamedTuple):
     batch: list          # the B groups trained on (B * G samples)
     info: dict           # collect()'s: rewards, staleness, waits, filtering
     metrics: dict        # the trainer's: loss, ratios, clip fraction
     sync: dict           # sync_weights': previous sync's acks (utilisation, probe diff), this broadcast
-    train_s: float       # seconds in train (event-loop time)
+    train_s: float       # seconds from the batch's completion to the trained weights (event-loop time)
 
 
-async def rl_step(ctrl: AsyncController, train, send_fn, meta=None, group=None, stream=None,
-                  adv_estimator: str = "grpo") -> Step:
+async def rl_step(ctrl: AsyncController, backend, send_fn, meta=None, group=None) -> Step:
     """One step of the loop every runner shares (train.py, the simulator, the benchmarks, the study):
-    collect B fresh groups -> group advantages -> train -> sync the new weights into the engines.
-    train: async (batch, advantages, version) -> (metrics, probe_ref or None); send_fn, meta, group:
-    as sync_weights'. stream: a stream.TrainStream (the streaming trainer), which trains each group as
-    it completes, in place of `train`; then train_s is what is left once the batch is complete.
-    adv_estimator: losses.ADV_ESTIMATORS' name for the whole batch's advantages (--adv-estimator; a
-    stream has its own). metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
-    if stream is not None:
-        stream.begin(ctrl.version)
-        batch, info = await ctrl.collect(on_group=stream.add)                    # trains as groups come
-        t = now()
-        metrics, probe_ref = await stream.finish()
-        train_s = now() - t
-    else:
-        batch, info = await ctrl.collect()                                        # schedule + run
-        advantages = estimate_advantages(torch.tensor([s.reward for s in batch]), ctrl.cfg.group_size,
-                                         adv_estimator).tolist()
-        t = now()                                                                 # loop time (sim: virtual)
-        metrics, probe_ref = await train(batch, advantages, ctrl.version)
-        train_s = now() - t
-        metrics = {**metrics, "time_trainer_busy": train_s}
+    collect B fresh groups -> train them (backend: a TrainBackend, WholeBatch or a streaming one, which
+    trains each group as it completes; train_s is then what is left once the batch is complete) -> sync
+    the new weights into the engines. send_fn, meta, group: as sync_weights'.
+    metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
+    backend.begin(ctrl.version)
+    batch, info = await ctrl.collect(on_group=backend.add, stream=backend.streams)     # schedule + run
+    t = now()
+    metrics, probe_ref = await backend.finish()
+    train_s = now() - t
     sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, meta, probe_ref, group)   # postprocess
     return Step(batch, info, metrics, sync, train_s)
 

@@ -21,11 +21,10 @@ import collections
 import math
 
 from buffer import Ack, Cmd, Command, Lost, Phase, RolloutTask, Sample, fresh
-from deadline import MIN_SAMPLES, WINDOW, EnvDeadline  # noqa: F401 (tests import them from here)
-from envs import ENVS, PromptFormat
 from proxy import EngineError, Status, now
-from rollout import Aborted, RolloutConfig, Trajectory, env_seed, inline_reward, run_trajectory
-from task import RewardPool, load_reward
+from rollout import (ENVS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory, env_seed,
+                     inline_reward, run_trajectory)
+from task import load_reward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,7 +34,10 @@ from task import RewardPool, load_reward
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
                  async_ratio: int = 2, sync_timeout_s: float = 600.0, probe_ids: list[int] | None = None,
-                 env_wrappers=None, restart_engine=None):
+                 env_wrappers=None, restart_engine=None, scorer=None, deadline=None):
+        """env_wrappers: (env) -> env, applied to every env (ext/faults.py); scorer: what scores answers
+        (ext/verifiers.py's pool: score, stats, shutdown), None: inline; deadline: the env calls' (ext/
+        deadlines.py's adaptive one), None: a fixed --env-step-timeout-s."""
         self.proxy = proxy
         self.buffer = buffer
         self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
@@ -51,7 +53,7 @@ class EnvManager:
         # group_id -> loop time this rank last started one of its tasks
         self.group_taken_at: dict[str, float] = {}
         self.probe_ids = probe_ids              # token ids scored after a load if a SYNC asks (Command.probe)
-        self.env_wrappers = env_wrappers        # (env) -> env, applied to every env (LatencyEnv, FaultyEnv)
+        self.env_wrappers = env_wrappers
         # async () -> a new engine backend; None: an engine failure ends run()
         self.restart_engine = restart_engine
         self.synced = False                     # a sync loaded weights that the model dir does not have
@@ -61,11 +63,9 @@ class EnvManager:
         self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
         self.recovering = False                 # _recover is replacing the engine (the loop starts no task)
-        self.deadline = EnvDeadline.of(cfg)      # every env call's, adapting to their latencies
-        self.pool = (RewardPool(cfg.reward_workers, cfg.reward, cfg.reward_timeout_s,
-                                cfg.reward_timeout_factor, cfg.reward_timeout_min_s)
-                     if cfg.reward_workers > 0 else None)
-        self.reward_fn = (self.pool.score if self.pool
+        self.deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)   # every env call's
+        self.scorer = scorer
+        self.reward_fn = (scorer.score if scorer
                           else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
@@ -85,11 +85,10 @@ class EnvManager:
                 **self.reward_stats(), "proxy": self.proxy.stats()}
 
     def reward_stats(self) -> dict:
-        """The verifier pool's timeouts (calls that scored 0 for it) and its deadline now; the tokens
-        this rank generated and threw away by aborts (model tokens: trajectories aborted as stale, on
-        request, at stop)."""
-        return {"reward_timeouts": self.pool.timeouts if self.pool else 0,
-                "reward_deadline_s": self.pool.deadline.current_s if self.pool else None,
+        """The scorer's timeouts (calls that scored 0 for it) and its deadline now; the tokens this rank
+        generated and threw away by aborts (model tokens: trajectories aborted as stale, on request, at
+        stop)."""
+        return {"reward_timeouts": 0, "reward_deadline_s": None, **(self.scorer.stats() if self.scorer else {}),
                 "tokens_aborted": self.counters["tokens_aborted"]}
 
     # --- control loop
@@ -158,8 +157,8 @@ class EnvManager:
             if not task.cancelled():
                 task.exception()  # (retrieved, not raised: the loop's own error is the one to report)
         await self._abort(list(self.jobs), "aborted_at_stop")
-        if self.pool is not None:
-            self.pool.shutdown()
+        if self.scorer is not None:
+            self.scorer.shutdown()
 
     async def _handle(self, cmd: Command) -> bool:
         """Run one command; True means stop."""

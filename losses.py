@@ -47,7 +47,6 @@ import torch
 
 from config import flag, opt
 
-VARIANTS = ("reinforce", "ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo")
 CORRECTIONS = ("none", "tis", "mis", "icepop")
 LEVELS = ("token", "sequence")
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -103,12 +102,99 @@ def estimate_advantages(rewards: torch.Tensor, group_size: int, estimator: str =
     return ADV_ESTIMATORS[estimator](rewards, group_size)
 
 
+# --- the policy losses: a function (Terms) -> (per-token loss [B, T], its extras), and its entry in LOSSES;
+# --loss picks one. Extras (all optional, [B, T]): "clipped" (bool, for clip_frac), "is_w" (the stop-gradient
+# weight it applied, for is_weight_mean), "capped" (bool, tokens it dropped). A loss marked needs_prox gets
+# the trainer's own logprobs before the update (prox); own_correction: it applies --is-correction's weight
+# itself (corr_w) and keeps mu as `old` under --recompute-old-logprobs.
+
+@dataclass
+class Terms:
+    """What a loss sees: float32 (at least) [B, T], zero where masked. r = exp(lp - old), clamped."""
+    lp: torch.Tensor            # log pi, with grad
+    old: torch.Tensor           # the ratio's old policy: mu (the engine), or pi_prox (corrected / recomputed)
+    prox: torch.Tensor | None   # pi_prox: the trainer before this update (when needed)
+    r: torch.Tensor             # pi / old
+    A: torch.Tensor             # advantages, per token
+    m: torch.Tensor             # the mask, bool
+    corr_w: torch.Tensor | None  # --is-correction's weight (None: no correction)
+    hp: dict                    # the hyperparameters (compute_policy_loss's keywords)
+
+
+def loss(needs_prox: bool = False, own_correction: bool = False):
+    """Mark a loss function with what it needs (see above)."""
+    def mark(fn):
+        fn.needs_prox, fn.own_correction = needs_prox, own_correction
+        return fn
+    return mark
+
+
+@loss()
+def reinforce(t: Terms):
+    return -t.A * t.lp, {}
+
+
+@loss()
+def ppo(t: Terms):
+    loss_tok, clipped = _ppo_clip(t.r, t.A, t.hp["clip_low"], t.hp["clip_high"], t.hp["dual_clip"])
+    return loss_tok, {"clipped": clipped}
+
+
+@loss(needs_prox=True, own_correction=True)
+def decoupled_ppo(t: Terms):
+    is_w = (t.corr_w if t.corr_w is not None                                        # the correction's, or
+            else (t.prox - t.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp())   # w = pi_prox / mu
+    r_prox = (t.lp - t.prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()        # r' = pi / pi_prox
+    inner, clipped = _ppo_clip(r_prox, t.A, t.hp["clip_low"], t.hp["clip_high"], t.hp["dual_clip"])
+    capped = torch.zeros_like(t.m)
+    if t.hp["behav_weight_cap"] is not None:
+        capped = t.m & (is_w > t.hp["behav_weight_cap"])
+        is_w = torch.where(capped, 0.0, is_w)
+    return is_w * inner, {"clipped": clipped, "is_w": is_w, "capped": capped}
+
+
+@loss()
+def tis(t: Terms):
+    is_w = t.r.detach().clamp(max=t.hp["tis_cap"])
+    return -is_w * t.A * t.lp, {"clipped": t.r > t.hp["tis_cap"], "is_w": is_w}
+
+
+@loss()
+def cispo(t: Terms):
+    lo, hi = 1.0 - t.hp["cispo_low"], 1.0 + t.hp["cispo_high"]
+    is_w = t.r.detach().clamp(lo, hi)
+    return -is_w * t.A * t.lp, {"clipped": (t.r < lo) | (t.r > hi), "is_w": is_w}
+
+
+@loss()
+def topr(t: Terms):
+    pos = t.A > 0                                                    # [B, T]
+    is_w = torch.where(pos, 1.0, t.r.detach().clamp(max=1.0))        # clip(r, 0, 1); r > 0 already
+    scale = torch.where(pos, torch.full_like(t.A, t.hp["topr_pos_weight"]), t.hp["topr_neg_weight"])
+    return -scale * is_w * t.A * t.lp, {"clipped": ~pos & (t.r > 1.0), "is_w": is_w}
+
+
+@loss()
+def gspo(t: Terms):
+    n = t.m.sum(-1).clamp(min=1).to(t.lp.dtype)                      # [B] unmasked tokens per sequence
+    log_s = ((t.lp - t.old).sum(-1) / n).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    A_seq = t.A.sum(-1) / n                                          # [B] masked token-mean advantage
+    loss_seq, clipped_seq = _ppo_clip(log_s.exp(), A_seq, t.hp["clip_low"], t.hp["clip_high"], None)  # [B]
+    # each token carries its sequence's loss
+    return loss_seq[:, None].expand_as(t.lp), {"clipped": clipped_seq[:, None].expand_as(t.m)}
+
+
+LOSSES = {"reinforce": reinforce, "ppo": ppo, "decoupled_ppo": decoupled_ppo, "tis": tis, "cispo": cispo,
+          "topr": topr, "gspo": gspo}
+VARIANTS = tuple(LOSSES)     # (the registry's names, in --loss's help order; more may be registered)
+
+
 @dataclass
 class LossConfig:
     """--loss and compute_policy_loss's hyperparameters, one field (one --flag) each, named as its keyword
     (except: loss_agg is agg; gspo_clip_* replace clip_* under --loss gspo; 0 = off means None).
     A new hyperparameter: a field here, its keyword and check below."""
-    loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (formulas: losses.py)")
+    loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (losses.LOSSES; formulas: losses.py)")
     clip_low: float = opt(0.2, "ppo, decoupled_ppo: ratio >= 1 - this (PPO's epsilon)")
     clip_high: float = opt(0.28, "ppo, decoupled_ppo: ratio <= 1 + this (DAPO's clip-higher)")
     dual_clip: float = opt(0.0, "ppo, decoupled_ppo: dual clip c for A < 0 (Ye et al. 2020: 3); 0 = off")
@@ -143,8 +229,8 @@ class LossConfig:
             raise ValueError(f"--loss-agg must be one of {', '.join(AGG_MODES)}, auto; got {self.loss_agg!r}")
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"--kl-coef must be >= 0 (0 = off), got {self.kl_coef}")
-        if self.loss not in VARIANTS:
-            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(VARIANTS)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(LOSSES)}")
         for gspo in (False, True):        # check_hparams' message, naming our flag
             try:
                 check_hparams(**self.loss_kwargs(gspo))
@@ -199,16 +285,17 @@ def compute_policy_loss(
     ref_prox: bool = False,      # the ratio's old policy is pi_prox, not mu (--recompute-old-logprobs)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    if variant not in LOSSES:
+        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(LOSSES)}")
+    fn = LOSSES[variant]
     check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
                   topr_pos_weight, topr_neg_weight, agg, behav_weight_cap, is_correction=is_correction,
                   is_level=is_level, is_cap=is_cap, icepop_low=icepop_low, icepop_high=icepop_high)
     _check_shapes(logp, old_logp, advantages, mask, prox_logp)
     correct = is_correction != "none"
-    if (variant == "decoupled_ppo" or correct or ref_prox) and prox_logp is None:
+    if (fn.needs_prox or correct or ref_prox) and prox_logp is None:
         who = (f"--is-correction {is_correction}" if correct else "ref_prox=True" if ref_prox
-               else "variant decoupled_ppo")
+               else f"variant {variant}")
         raise ValueError(f"{who} needs prox_logp= (the trainer's logprobs of the sampled tokens under the "
                          f"weights before this update)")
 
@@ -221,56 +308,23 @@ def compute_policy_loss(
     A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
     prox = torch.where(m, prox_logp.detach().to(dt), 0.0) if prox_logp is not None else None   # [B, T]
     mu = old                                                       # [B, T] the engine's, for approx_kl
+    corr_w = None
     if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
         corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
                                                icepop_high)
         mismatch = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # log pi_prox / mu
-    if correct or (ref_prox and variant != "decoupled_ppo"):     # decoupled_ppo: pi_prox and mu, its own
+    if correct or (ref_prox and not fn.own_correction):     # (decoupled_ppo: pi_prox and mu, its own)
         old = prox
     log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
     r = log_r.exp()                                                # [B, T] pi / mu
-
-    clipped = torch.zeros_like(m)                                  # [B, T] bool, for clip_frac
-    is_w = torch.ones_like(r).detach()                             # [B, T] stop-grad weight applied
-    capped = torch.zeros_like(m)                                   # [B, T] bool, dropped by behav_weight_cap
-
-    if variant == "reinforce":
-        loss_tok = -A * lp
-    elif variant == "ppo":
-        loss_tok, clipped = _ppo_clip(r, A, clip_low, clip_high, dual_clip)
-    elif variant == "decoupled_ppo":
-        is_w = (corr_w if correct                                                  # the correction's, or
-                else (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp())  # w = pi_prox / mu
-        r_prox = (lp - prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()       # r' = pi / pi_prox
-        inner, clipped = _ppo_clip(r_prox, A, clip_low, clip_high, dual_clip)
-        if behav_weight_cap is not None:
-            capped = m & (is_w > behav_weight_cap)
-            is_w = torch.where(capped, 0.0, is_w)
-        loss_tok = is_w * inner
-    elif variant == "tis":
-        is_w = r.detach().clamp(max=tis_cap)
-        clipped = r > tis_cap
-        loss_tok = -is_w * A * lp
-    elif variant == "cispo":
-        lo, hi = 1.0 - cispo_low, 1.0 + cispo_high
-        is_w = r.detach().clamp(lo, hi)
-        clipped = (r < lo) | (r > hi)
-        loss_tok = -is_w * A * lp
-    elif variant == "topr":
-        pos = A > 0                                                # [B, T]
-        is_w = torch.where(pos, 1.0, r.detach().clamp(max=1.0))    # clip(r, 0, 1); r > 0 already
-        clipped = ~pos & (r > 1.0)
-        scale = torch.where(pos, torch.full_like(A, topr_pos_weight), topr_neg_weight)
-        loss_tok = -scale * is_w * A * lp
-    else:  # gspo
-        n = m.sum(-1).clamp(min=1).to(lp.dtype)                    # [B] unmasked tokens per sequence
-        log_s = ((lp - old).sum(-1) / n).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
-        A_seq = A.sum(-1) / n                                      # [B] masked token-mean advantage
-        loss_seq, clipped_seq = _ppo_clip(log_s.exp(), A_seq, clip_low, clip_high, None)  # [B]
-        loss_tok = loss_seq[:, None].expand_as(lp)                 # each token carries its sequence's loss
-        clipped = clipped_seq[:, None].expand_as(m)
-
-    if correct and variant != "decoupled_ppo":
+    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap, cispo_low=cispo_low,
+              cispo_high=cispo_high, topr_pos_weight=topr_pos_weight, topr_neg_weight=topr_neg_weight,
+              behav_weight_cap=behav_weight_cap)
+    loss_tok, extra = fn(Terms(lp, old, prox, r, A, m, corr_w, hp))
+    clipped = extra.get("clipped", torch.zeros_like(m))            # [B, T] bool, for clip_frac
+    is_w = extra.get("is_w", torch.ones_like(r).detach())          # [B, T] stop-grad weight applied
+    capped = extra.get("capped", torch.zeros_like(m))              # [B, T] bool, dropped by behav_weight_cap
+    if correct and not fn.own_correction:
         loss_tok = corr_w * loss_tok
     loss_tok = torch.where(m, loss_tok, 0.0)                       # [B, T]
     loss = _aggregate(loss_tok, m, agg)

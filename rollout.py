@@ -1,14 +1,22 @@
-"""rollout.py: one sample's rollout, the paper's environment-level loop, and a rollout rank's settings.
+"""rollout.py: one sample's rollout, the paper's environment-level loop; environments; a rollout rank's
+settings.
 
     sample = await run_trajectory(proxy, new_env, fmt, RolloutConfig(...), task)   # -> Sample, or None
 
+    class Env:                    # what an environment is (ENVS: name -> factory(problem, seed, reward_fn))
+        async def reset(self, seed: int) -> str                              # first observation
+        async def step(self, action: str) -> tuple[str, float, bool, dict]   # obs, reward, done, info
+
 run_trajectory runs reset -> (generate -> step)* -> reward for one sample of a RolloutTask over an
 LLMProxy, retrying after env failures; it knows nothing of slots, queues or commands (env_manager.py
-runs many of them on a rank). Every env call is bounded by an EnvDeadline (deadline.py): a few times
-the recent calls' latency quantile, not a fixed one. A trajectory's tokens: prompt_ids, then actions
-and observations in response_ids, loss_mask 1 on action tokens only, one version per action token
-(the version that sampled it, from the proxy).
-Deviations (the env seed per group, staleness from the first token, ...): DESIGN.md#env_managerpy.
+runs many of them on a rank). Envs are async, so one that waits (a sandbox, a slow tool) yields the
+event loop while the engine keeps decoding for other trajectories (environment-level asynchronous
+rollout). Every env call is bounded by a deadline (FixedDeadline: --env-step-timeout-s; ext/deadlines.py
+adapts it). A trajectory's tokens: prompt_ids, then actions and observations in response_ids, loss_mask
+1 on action tokens only, one version per action token (the version that sampled it, from the proxy).
+PromptFormat turns env text into tokens, through the tokenizer's chat template if it has one.
+The core's env is SingleTurnEnv (RLVR: one answer, the verifier's reward); ext/ registers more in ENVS.
+Deviations (the env seed per group, staleness from the first token, ...): DESIGN.md#a-trajectory
 """
 
 import asyncio
@@ -16,10 +24,9 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
+import task
 from buffer import RolloutTask, Sample
 from config import flag, opt
-from deadline import EnvDeadline
-from envs import PromptFormat
 from proxy import Sampling, now
 
 
@@ -40,28 +47,10 @@ class RolloutConfig:
     suspend_mode: str = opt("keep", "weight update under running requests: keep | abort (resubmit)")
     env_step_timeout_s: float = opt(30.0, "an env reset/step (or reward) slower than this fails the "
                                           "trajectory, seconds; with the adaptive deadline on "
-                                          "(--env-timeout-factor > 0): its ceiling")
-    # the adaptive env deadline (EnvDeadline): clamp(quantile(recent latencies) * factor, floor, ceiling)
-    env_timeout_quantile: float = opt(0.99, "adaptive env deadline: this quantile of the recent env calls' "
-                                            "latencies, times --env-timeout-factor")
-    env_timeout_factor: float = opt(3.0, "adaptive env deadline: the recent latency quantile times this, "
-                                         "within [--env-timeout-floor-s, --env-step-timeout-s]; 0 = off: "
-                                         "every env call gets --env-step-timeout-s")
-    # 5 s: with 1 s, a 40-step --env calc run on 2 busy cores timed out 104 env calls (then retried)
-    env_timeout_floor_s: float = opt(5.0, "adaptive env deadline: never under this, seconds")
+                                          "(--env-timeout-factor > 0, ext/deadlines.py): its ceiling")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
     reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the "
                           "task's")
-    reward_workers: int = opt(-1, "verifier processes per rollout rank; 0 = on its event loop; -1 = 0 for "
-                                  "the embedded addition check, else 1")
-    reward_timeout_s: float = opt(10.0, "a verifier call slower than this scores 0 (its process is "
-                                        "replaced); with --reward-timeout-factor > 0: the adaptive timeout's "
-                                        "ceiling")
-    reward_timeout_factor: float = opt(0.0, "adaptive verifier timeout (RollPacker): a call gets min(max("
-                                            "--reward-timeout-min-s, this x the slowest correct answer so "
-                                            "far), --reward-timeout-s), then scores 0; 0 = off (needs "
-                                            "--reward-workers >= 1)")
-    reward_timeout_min_s: float = opt(1.0, "adaptive verifier timeout: never under this, seconds")
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
                              "float16")
     kv_cache_gib: float = opt(1.0, "CPU: each engine's KV cache, GiB")
@@ -85,20 +74,9 @@ class RolloutConfig:
         for name in ("max_tokens", "max_model_len", "max_retries"):
             if getattr(self, name) < 0:
                 raise bad(name, ">= 0 (0 = from the model)" if name.startswith("max_") else ">= 0")
-        if self.reward_workers < -1:
-            raise bad("reward_workers", ">= -1 (-1 = auto)")
-        for name in ("temperature", "env_step_timeout_s", "env_timeout_floor_s", "poll_s", "stop_timeout_s",
-                     "reward_timeout_s", "kv_cache_gib"):
+        for name in ("temperature", "env_step_timeout_s", "poll_s", "stop_timeout_s", "kv_cache_gib"):
             if getattr(self, name) <= 0:
                 raise bad(name, "> 0")
-        if not 0 < self.env_timeout_quantile <= 1:
-            raise bad("env_timeout_quantile", "in (0, 1]")
-        if self.env_timeout_factor < 0:
-            raise bad("env_timeout_factor", ">= 0 (0 = a fixed env_step_timeout_s)")
-        if self.reward_timeout_factor < 0:
-            raise bad("reward_timeout_factor", ">= 0 (0 = a fixed reward_timeout_s)")
-        if self.reward_timeout_min_s <= 0:
-            raise bad("reward_timeout_min_s", "> 0")
         if not 0 <= self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in [0, 1] (0 = auto)")
         if self.suspend_mode not in ("keep", "abort"):
@@ -106,22 +84,144 @@ class RolloutConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise bad("dtype", "auto, float32, bfloat16 or float16")
 
-    def resolved(self, model_dir: str, device: str, embedded: bool, custom_reward: bool,
-                 env: str = "") -> "RolloutConfig":
-        """The settings that default to the model's (context), the task's (reply length, reward workers)
-        and the device's (dtype)."""
+    def resolved(self, model_dir: str, device: str, embedded: bool) -> "RolloutConfig":
+        """The settings that default to the model's (context, reply length) and the device's (dtype)."""
         from transformers import AutoConfig
         return dataclasses.replace(
             self,
             max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
-            # the embedded model's answers are a few characters; its calc(123+456) call is 13 and an <eos>
-            max_tokens=self.max_tokens or ((16 if env == "calc" else 8) if embedded else 1024),
+            max_tokens=self.max_tokens or (8 if embedded else 1024),   # the embedded model's answers: a few chars
             dtype=(self.dtype if self.dtype != "auto"
-                   else ("bfloat16" if device.startswith("cuda") else "float32")),
-            reward_workers=self.reward_workers if self.reward_workers >= 0 else (1 if custom_reward else 0))
+                   else ("bfloat16" if device.startswith("cuda") else "float32")))
+
+
+# ---------------------------------------------------------------------------------------------
+# environments: name -> factory(problem, seed, reward_fn=None) -> Env; RolloutTask.env picks one
+
+
+class SingleTurnEnv:
+    """One step: the prompt, one answer, the verifier reward in [0, 1], done."""
+
+    def __init__(self, problem: task.Problem, reward_fn=None):
+        self.problem = problem
+        self.reward_fn = reward_fn    # async (problem, response) -> float (ext/verifiers.py); None: inline
+
+    async def reset(self, seed: int) -> str:
+        return self.problem.prompt
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        return "", await score(self.problem, action, self.reward_fn), True, {}
+
+
+async def score(problem: task.Problem, response: str, reward_fn=None) -> float:
+    """The verifier's reward: reward_fn's (a slow verifier must not hold up the event loop, hence the
+    engine), or the task's own, inline."""
+    return task.reward(problem, response) if reward_fn is None else await reward_fn(problem, response)
+
+
+ENVS = {"": lambda problem, seed, reward_fn=None: SingleTurnEnv(problem, reward_fn)}
+
+
+class FixedDeadline:
+    """Every env call may take `seconds` (--env-step-timeout-s); ext/deadlines.py's adapts."""
+
+    def __init__(self, seconds: float):
+        self.current_s = {"reset": seconds, "step": seconds}
+
+    def record(self, kind: str, latency_s: float):
+        """A call of `kind` ended after latency_s seconds (an adaptive deadline learns from it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# env text -> model tokens: plain, or through the tokenizer's chat template
+
+
+def model_eos_ids(tokenizer) -> set[int]:
+    """Every token the engine stops on: the tokenizer's EOS and the ids in the model dir's
+    generation_config.json (vLLM stops on all of them)."""
+    ids = {tokenizer.eos_token_id} - {None}
+    model_dir = getattr(tokenizer, "name_or_path", "")
+    if not model_dir:                       # a tokenizer built in memory: no model dir to read
+        return ids
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):           # no generation config: the tokenizer's EOS only
+        return ids
+    return ids | (set(eos if isinstance(eos, list) else [eos]) - {None})
+
+
+FIRST_CACHE = 4096    # prompts whose tokens PromptFormat.first keeps (a few steps' worth of groups)
+
+
+class PromptFormat:
+    """How env text becomes model tokens (env_manager, and the controller's length check).
+
+    Plain: the first observation is tokenizer.encode(text), a later one encode(text) without special
+    tokens. With a chat template (the tokenizer has one, and use_template): the first observation is
+    a user message followed by the assistant's generation prompt; a later one closes the model's
+    turn (what the template puts after an assistant message, less the EOS the model generated
+    itself), then adds a user message and a new generation prompt. The pieces are read off the
+    template once, by rendering a conversation with marker strings, so any template whose rendering
+    of a longer conversation extends that of a shorter one works (the usual case: ChatML, Llama).
+
+    The engine stops on any of the model's EOS tokens (eos_ids: the tokenizer's and the generation
+    config's list; Qwen2.5-Instruct's has <|im_end|> and <|endoftext|>). Only the EOS the model
+    wrote is taken off the turn's closing text: ended on <|endoftext|>, the turn still gets its
+    <|im_end|>.
+    """
+
+    def __init__(self, tokenizer, use_template: bool = True, eos_ids: set[int] | None = None):
+        self.tok = tokenizer
+        self._decode = getattr(tokenizer, "_decode", tokenizer.decode)
+        self._first: dict[str, list[int]] = {}    # prompt text -> its tokens (first())
+        self.eos_ids = model_eos_ids(tokenizer) if eos_ids is None else set(eos_ids)
+        self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
+        if self.chat:
+            x, y, o = "\x01X\x01", "\x01Y\x01", "\x01O\x01"
+            one = [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
+            a = tokenizer.apply_chat_template(one, tokenize=False)
+            b = tokenizer.apply_chat_template(one + [{"role": "user", "content": o}], tokenize=False,
+                                              add_generation_prompt=True)
+            if not b.startswith(a) or y not in a or o not in b:
+                raise ValueError("the tokenizer's chat template renders a longer conversation differently "
+                                 "from a shorter one; pass --no-chat-template")
+            self.close_turn = a[a.index(y) + len(y):]               # e.g. "<|im_end|>\n"
+            # e.g. "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+            self.user_pre, self.user_post = b[len(a):].split(o)
+
+    def first(self, text: str) -> list[int]:
+        """The prompt's tokens. Cached: a group's samples (and every retry) render the same prompt, and
+        rendering a chat template costs ~40 us a sample (a copy is returned: callers extend it)."""
+        ids = self._first.get(text)
+        if ids is None:
+            if len(self._first) >= FIRST_CACHE:
+                self._first.clear()
+            ids = self._first[text] = (
+                self.tok.encode(text) if not self.chat else
+                list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False)))
+        return list(ids)
+
+    def next(self, text: str, last_token: int | None) -> list[int]:
+        """The tokens after the model's turn, whose last token was last_token (None: none, or a
+        turn cut by the budget), up to the next generation prompt."""
+        if not self.chat:
+            return self.tok.encode(text, add_special_tokens=False)
+        close = self.close_turn
+        if last_token in self.eos_ids:
+            eos_text = self.tok.decode([last_token])
+            if close.startswith(eos_text):
+                close = close[len(eos_text):]                         # the model wrote this EOS itself
+        return self.tok.encode(close + self.user_pre + text + self.user_post, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        # (the tokenizer's own _decode: decode() first converts the list element by element in Python)
+        return self._decode(ids, skip_special_tokens=True)
 
 
 def inline_reward(fn):
+    """A plain verifier (problem, response) -> float as the async reward_fn envs call (--reward, no pool)."""
     async def call(problem, response):
         return float(fn(problem, response))
     return call
@@ -182,13 +282,13 @@ class Trajectory:
 
 async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask,
                          index: int = 0, *, on_attempt=None, on_failure=None,
-                         deadline: EnvDeadline | None = None) -> Sample | None:
+                         deadline: FixedDeadline | None = None) -> Sample | None:
     """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
     and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
     (meta["retrying"] says whether another attempt follows). Returns the Sample, or None when the
     last attempt failed too. `on_attempt(index, traj)` sees each attempt's live Trajectory. Env
     calls are bounded by `deadline` (the manager's, shared), default a fixed cfg.env_step_timeout_s."""
-    deadline = deadline or EnvDeadline(cfg.env_step_timeout_s)
+    deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)
     for attempt in range(cfg.max_retries + 1):
         traj = Trajectory(start_version=proxy.version)
         if on_attempt is not None:
@@ -209,12 +309,12 @@ async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, 
 
 async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
                        tag: str = "0", meta: dict | None = None,
-                       deadline: EnvDeadline | None = None) -> Sample:
+                       deadline: FixedDeadline | None = None) -> Sample:
     """reset -> (generate -> step)* -> Sample, filling `traj` as it goes. Raises EnvFailure when an
     env call raises or outlives `deadline` (default: a fixed cfg.env_step_timeout_s), Aborted when
     someone else aborted the engine request."""
     where = f"rollout rank {proxy.rank}: env {task.env or 'single-turn'!r}"
-    deadline = deadline or EnvDeadline(cfg.env_step_timeout_s)
+    deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)
 
     async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
         kind = phase.split()[0]                      # "reset" or "step"
@@ -223,7 +323,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
             async with asyncio.timeout(limit_s):     # no extra task, unlike wait_for
                 out = await coro
         except TimeoutError:
-            deadline.record(kind, limit_s)           # (at least limit_s: see EnvDeadline)
+            deadline.record(kind, limit_s)           # (at least limit_s: ext/deadlines.py)
             raise EnvFailure(f"{where} {phase} (task {task.task_id}) took longer than "
                              f"{round(limit_s, 3):g}s", timeout=True) from None
         except Exception as e:    # CancelledError is not an Exception: aborts pass through

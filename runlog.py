@@ -1,37 +1,40 @@
-"""runlog.py: rank 0's record of a run (metrics.jsonl, trackers, events.jsonl) and what it prints.
+"""runlog.py: what a run prints and records. Rank 0's record of a run (metrics.jsonl, the step line, the
+summary), and the quiet defaults every rank starts with.
 
-    log = RunLog(cfg, start_step)                   # trainer rank 0 (train.py)
+    quiet(verbose=False)                            # first thing on every rank: library logs at warning level
+    log = RunLog(cfg, start_step, exts)             # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
-    ctrl.events = log.events                        # the controller records steps, forwards ranks' events
-    log.step(step, version, info, train, sync, time_train, time_step)  # row, tracker, progress line
+    log.step(step, version, info, train, sync, time_train, time_step)  # row, hooks, progress line
     log.finish()                                    # the summary at the end
 
-Files in out_dir: metrics.jsonl (a row per step), events.jsonl (for tools/plot.py; format:
-timeline.py), tensorboard/. Trackers (--tracker) get every numeric key of a row, on rank 0 only;
-check_tracker() names a missing optional package before any process starts.
+Files in out_dir: metrics.jsonl (a row per step). Extensions see every row (Extension.on_row: trackers,
+the timeline), add to the step line (step_line) and to the summary (summary_lines, run_files).
 
 A weight sync overlaps the next step, so its numbers (synced_version, sync_probe_max_diff,
 rollout_utilisation, time_receive, time_engine_load, time_vllm_load) land in the next row;
 time_weight_sync is what the trainer itself spent on this step's sync.
 
-Design notes: DESIGN.md#runlogpy
+quiet(): left alone, a default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines. It
+changes only this process's environment, which the engine processes (spawned later by the rollout
+rank) inherit: vLLM at WARNING through a logging config that adds the filter KnownNoise (warnings in
+NOISE dropped, any other warning shown once per text template and counted after that), Hugging Face
+progress bars off, the engine processes' C++ warnings at error level and the Python warnings in
+PY_WARNINGS ignored. The engine processes apply the same filter from their first line on (QUIET_MARK;
+see the end of this file). Errors and every other warning still show; a variable the user set is never
+overridden; --verbose turns it all off. Why each entry of NOISE is harmless: DESIGN.md#what-a-run-prints
 """
 
 import asyncio
 import collections
-import dataclasses
-import importlib.util
+import hashlib
 import json
+import logging
+import logging.config
 import os
-import shutil
+import tempfile
 import time
+import warnings
 from pathlib import Path
-
-from timeline import EventLog
-
-# --tracker NAME -> the package it needs (None: nothing to install)
-TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-
 
 def print0(*args):
     if int(os.environ.get("RANK", 0)) == 0:
@@ -58,92 +61,16 @@ def process_start() -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# trackers
-
-
-def check_tracker(name: str):
-    """Raise ValueError naming the package to install when --tracker NAME cannot work here."""
-    if name not in TRACKERS:
-        raise ValueError(f"--tracker must be one of {', '.join(TRACKERS)}, got {name!r}")
-    package = TRACKERS[name]
-    if package and importlib.util.find_spec(package) is None:
-        raise ValueError(f"--tracker {name} needs the optional package {package!r}, which is not installed: "
-                         f"pip install {package}   (or use --tracker none; metrics.jsonl is always written)")
-
-
-class NoTracker:
-    def log(self, metrics: dict, step: int):
-        pass
-
-    def close(self):
-        pass
-
-
-class TensorBoardTracker:
-    """Scalars in out_dir/tensorboard (tensorboard --logdir OUT_DIR/tensorboard)."""
-
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter    # needs the tensorboard package
-        self.writer = SummaryWriter(str(log_dir))
-
-    def log(self, metrics: dict, step: int):
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, global_step=step)
-        self.writer.flush()              # visible to a running tensorboard at once
-
-    def close(self):
-        self.writer.close()
-
-
-class WandbLikeTracker:
-    """wandb, or trackio (which copies wandb's init / log / finish)."""
-
-    def __init__(self, module_name: str, project: str, name: str, config: dict, out_dir: Path):
-        self.module_name = module_name
-        self.mod = __import__(module_name)
-        kwargs = {"dir": str(out_dir)} if module_name == "wandb" else {}
-        self.mod.init(project=project, name=name, config=config, **kwargs)
-
-    def log(self, metrics: dict, step: int):
-        if self.module_name == "wandb":
-            self.mod.log(metrics, step=step)
-        else:
-            self.mod.log(metrics)        # trackio counts one step per call; the row's "step" key is there too
-
-    def close(self):
-        self.mod.finish()
-
-
-def make_tracker(cfg, fresh: bool):
-    """The tracker --tracker asks for (rank 0 only). fresh: a new run, so old tensorboard files go."""
-    check_tracker(cfg.tracker)
-    out = Path(cfg.out_dir)
-    if cfg.tracker == "tensorboard":
-        if fresh:
-            shutil.rmtree(out / "tensorboard", ignore_errors=True)
-        return TensorBoardTracker(out / "tensorboard")
-    if cfg.tracker in ("wandb", "trackio"):
-        return WandbLikeTracker(cfg.tracker, cfg.tracker_project, out.name, dataclasses.asdict(cfg), out)
-    return NoTracker()
-
-
-def scalars(row: dict) -> dict:
-    """The numeric keys of a metrics row (what trackers get)."""
-    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-# ---------------------------------------------------------------------------------------------
 # the run log
 
 
 SUMMED = ("time_wait_rollout", "time_train", "time_weight_sync", "samples_dropped_stale", "groups_filtered",
-          "samples_failed", "prompts_deferred", "tokens_aborted", "tokens_generated", "time_trainer_busy",
-          "time_step")      # the row keys the summary adds up
+          "samples_failed", "time_step")      # the row keys the summary adds up
 
 
 class RunLog:
-    def __init__(self, cfg, start_step: int = 0):
-        self.cfg = cfg
+    def __init__(self, cfg, start_step: int = 0, exts=()):
+        self.cfg, self.exts = cfg, exts
         self.out = Path(cfg.out_dir)
         self.path = self.out / "metrics.jsonl"
         self.start_step = start_step
@@ -152,19 +79,11 @@ class RunLog:
         self.first: list[dict] = []
         self.recent: collections.deque[dict] = collections.deque(maxlen=10)
         self.totals: collections.Counter = collections.Counter()
-        self.evals: dict[str, list[tuple[int, float]]] = {}    # eval key -> [(step, value) first, last]
         self.t_start = process_start()
         self.t_ready: float | None = None
-        fresh = start_step == 0
-        self.events = (EventLog(self.out / "events.jsonl", cfg.max_events, fresh) if cfg.max_events > 0
-                       else None)
-        if self.events is None and fresh:     # --max-events 0: no timeline, not an old run's either
-            (self.out / "events.jsonl").unlink(missing_ok=True)
-        if self.events is not None:
-            self.events.add({"ev": "start", "t": self.t_start, "rollout_ranks": cfg.rollout_gpus,
-                             "async_ratio": cfg.controller.async_ratio, "step": start_step,
-                             "steps": cfg.steps})
-        self.tracker = make_tracker(cfg, fresh)
+
+    def _hooks(self, hook: str, *args) -> list:
+        return [r for e in self.exts if (r := getattr(e, hook)(*args)) is not None]
 
     async def starting(self, awaitable) -> dict:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
@@ -177,8 +96,7 @@ class RunLog:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
         ready = task.result()
         self.t_ready = time.time()
-        if self.events is not None:
-            self.events.add({"ev": "ready", "t": self.t_ready})
+        self._hooks("on_ready", self.t_ready)
         diff = ready.get("sync_probe_max_diff")
         print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in "
                f"{self.t_ready - self.t_start:.1f}s since launch"
@@ -198,13 +116,7 @@ class RunLog:
             self.first.append(row)
         self.recent.append(row)
         self.totals.update({k: row.get(k) or 0 for k in SUMMED})
-        self.totals["long_rounds"] += row.get("round") == "long"
-        for k, v in row.items():
-            if k.startswith("eval_") and v is not None:
-                self.evals[k] = [self.evals.get(k, [(step, v)])[0], (step, v)]
-        self.tracker.log(scalars(row), step)
-        if self.events is not None:
-            self.events.flush()
+        self._hooks("on_row", row)
         print0(self.line(row))
         return row
 
@@ -227,27 +139,19 @@ class RunLog:
                 f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
                 f"{r.get('rollout_utilisation', 0.0):.2f}"
-                + (f" | {r['round']} round, {r['prompts_deferred']} deferred, long queue {r['long_queue']}"
-                   if "round" in r else "")
-                + f" | eta {fmt_s(self.eta(r['step']))}"
-                + "".join(f" | {k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in r.items()
-                          if k.startswith("eval_") and k != "eval_version" and v is not None))
+                + "".join(f" | {x}" for x in self._hooks("step_line", r))
+                + f" | eta {fmt_s(self.eta(r['step']))}")
 
     def finish(self, extra: str = ""):
-        """End of the run: the last events, the tracker closed, the summary."""
-        if self.events is not None:
-            self.events.add({"ev": "end", "t": time.time(),
-                             "requests_not_written": self.events.requests_not_written})
+        """End of the run: the extensions finish and close, the summary."""
+        self._hooks("on_finish")
         self.close()
         print0(self.summary() + (f"\n  {extra}" if extra else ""))
 
     def close(self):
-        """Write what is pending and close the tracker; idempotent (train.py calls it on a crash too)."""
-        if self.events is not None:
-            self.events.flush()
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
+        """The extensions write what is pending and close; idempotent (train.py calls it on a crash too)."""
+        for e in self.exts:
+            e.close()
 
     def summary(self, t_end: float | None = None) -> str:
         n, t_end, tot = self.num_rows, t_end or time.time(), self.totals
@@ -266,33 +170,15 @@ class RunLog:
         lines = [f"run done: {n} steps in {fmt_s(t_end - self.t_start)} "
                  f"(start-up {fmt_s(t_ready - self.t_start)}, then {after / n:.2f}s per step)",
                  f"  reward     {mean('reward_mean', self.first[:k]):.3f} (first {k} steps) -> "
-                 f"{mean('reward_mean', list(self.recent)[-k:]):.3f} (last {k})"]
-        for key, ((s0, v0), (s1, v1)) in sorted((k_, (e[0], e[-1])) for k_, e in self.evals.items()):
-            lines.append(f"  {key:<10} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
-        lines += [
-            "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
-            + f"  (of {fmt_s(after)} after start-up)",
-            f"  samples    {tot['samples_dropped_stale']} dropped as stale, "
-            f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed"]
-        tail = any("round" in r for r in self.first)
-        if tail or getattr(getattr(self.cfg, "train", None), "stream_trainer", False):   # (their own line)
-            busy = tot["time_trainer_busy"] / max(tot["time_step"], 1e-9)
-            aborted = tot["tokens_aborted"] / max(tot["tokens_generated"], 1)
-            lines.append(
-                f"  trainer    busy {busy:.0%} of the step time"
-                + (f"; tail batching: {tot['prompts_deferred']} prompts deferred, {tot['long_rounds']} long "
-                   f"rounds, {aborted:.1%} of generated tokens aborted" if tail else ""))
-        lines += [
-            f"  files      {self.path}" + (f", {self.events.path}" if self.events is not None else "")
-            + (f", {self.out / 'tensorboard'}" if self.cfg.tracker == "tensorboard" else "")
-            + f"; checkpoint {self.out / 'checkpoint'}",
-            f"  pictures   python -m tools.plot {self.out}"]
-        if self.events is not None and (self.events.requests_not_written
-                                        or self.events.requests_dropped_by_ranks):
-            lines.append(f"  timeline   "
-                         f"{self.events.requests_not_written + self.events.requests_dropped_by_ranks} "
-                         f"request events not written (over --max-events {self.cfg.max_events} "
-                         f"or a rank's cap)")
+                 f"{mean('reward_mean', list(self.recent)[-k:]):.3f} (last {k})",
+                 "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
+                 + f"  (of {fmt_s(after)} after start-up)",
+                 f"  samples    {tot['samples_dropped_stale']} dropped as stale, "
+                 f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed"]
+        lines += [x for e in self.exts for x in (e.summary_lines(self) or [])]
+        files = [str(self.path)] + [x for e in self.exts for x in (e.run_files() or [])]
+        lines += [f"  files      {', '.join(files)}; checkpoint {self.out / 'checkpoint'}",
+                  f"  pictures   python -m tools.plot {self.out}"]
         return "\n".join(lines)
 
 
@@ -323,7 +209,111 @@ def trim_metrics(out_dir: str, step: int):
         os.replace(tmp, path)
 
 
-def eval_line(e: dict) -> str:
-    return f"evaluation of version {e['eval_version']}: " + ", ".join(
-        f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in e.items()
-        if k != "eval_version")
+# ---------------------------------------------------------------------------------------------
+# quiet defaults: library logs at warning level, minus known noise
+
+NOISE = (
+    "Failed to load weights",
+    "[shutdown]",
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed",
+    "Model Runner V2 requires Triton",
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled",
+    "is not found in LD_PRELOAD",
+    "Reset SSM cache type",
+)
+
+# action:message:category:module (Python's -W syntax; the module must match in full)
+PY_WARNINGS = (
+    "ignore::FutureWarning:vllm.triton_utils.dispatcher",   # torch.distributed.reduce_op, inside vLLM
+    # vLLM's shared memory queue, left when its worker is killed at exit
+    "ignore:resource_tracker:UserWarning",
+)
+
+
+class KnownNoise(logging.Filter):
+    """Drops the records in NOISE, and repeats of any other record's text template (record.msg,
+    before its arguments are filled in), counting them in `repeats`."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+        self.repeats = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        template = str(record.msg)
+        if any(n in template for n in NOISE):
+            return False
+        if template in self.seen:
+            self.repeats += 1
+            return False
+        self.seen.add(template)
+        return True
+
+
+def vllm_logging_config(level: str = "WARNING") -> dict:
+    """vLLM's logger hierarchy (the "vllm" logger) to stderr at `level`, through KnownNoise, in
+    vLLM's format less its process name (which needs vLLM's record factory, absent until vLLM
+    configures logging itself; the pid tells the processes apart)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        # importable: vllm_engine.py puts this dir on PYTHONPATH
+        "filters": {"known_noise": {"()": "runlog.KnownNoise"}},
+        "formatters": {"vllm": {"format": "(vllm pid=%(process)d) %(levelname)s "
+                                          "%(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                "datefmt": "%m-%d %H:%M:%S"}},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
+                              "filters": ["known_noise"], "stream": "ext://sys.stderr"}},
+        "loggers": {"vllm": {"handlers": ["vllm"], "level": level, "propagate": False}},
+    }
+
+
+def write_config(config: dict) -> str:
+    """The config as a JSON file vLLM can read; the path is named by the content, so every rank
+    writes (or reuses) the same small file and none piles up."""
+    text = json.dumps(config, indent=1)
+    path = os.path.join(tempfile.gettempdir(),
+                        f"roll-flash-nano-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)          # atomic: a rank never reads a half-written file
+    return path
+
+
+QUIET_MARK = "ROLL_FLASH_QUIET"     # set by quiet(): this process and its children filter vLLM's logs
+
+
+def _filter_now():
+    """Apply the filter in this process at once, so that vLLM's import-time warnings (printed before
+    vLLM configures its logging from VLLM_LOGGING_CONFIG_PATH) pass it too."""
+    logging.config.dictConfig(vllm_logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+
+
+def quiet(verbose: bool = False):
+    """Quiet defaults for this process and the processes it starts (module docstring)."""
+    if verbose:
+        return
+    env = os.environ
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if "VLLM_LOGGING_CONFIG_PATH" not in env:
+        env["VLLM_LOGGING_CONFIG_PATH"] = write_config(vllm_logging_config(env["VLLM_LOGGING_LEVEL"]))
+        env[QUIET_MARK] = "1"
+        _filter_now()
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if "PYTHONWARNINGS" not in env:
+        env["PYTHONWARNINGS"] = ",".join(PY_WARNINGS)
+        for spec in PY_WARNINGS:                      # this process too (PYTHONWARNINGS is read at start-up)
+            action, message, category, module = (spec.split(":") + [""])[:4]
+            warnings.filterwarnings(action, message, {"FutureWarning": FutureWarning,
+                                                      "UserWarning": UserWarning}[category], module)
+
+
+# vLLM's engine processes are spawned: each re-imports the main script (train.py, hence this module)
+# before it imports vLLM. Where quiet() ran in an ancestor, filter here too, before vLLM's import.
+if os.environ.get(QUIET_MARK) == "1":
+    _filter_now()

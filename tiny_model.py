@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 import task
-from envs import calc_observation
 
 SPECIALS = ["<pad>", "<eos>"]
 # digits and arithmetic first; letters and punctuation so text environments can speak too
@@ -48,15 +47,12 @@ class TinyConfig:
     sft_batch: int = 64
     sft_lr: float = 1e-3
     digits: tuple = (1, 2, 3)     # operand digit counts of the default task
-    tool_frac: float = 0.0        # share of warm-start examples that call the calculator first (the calc env)
+    tool_frac: float = 0.0        # share of warm-start examples that use a tool (ensure_tiny_model's tool)
 
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
-# --env calc's embedded model: the same, with a longer warm start in which half the problems are solved by
-# calling the calculator (envs.CalcEnv) and copying its value, so RL can raise the tool's use from there
-CALC_DIR, CALC = DEFAULT_DIR.with_name("tiny-qwen2-calc"), TinyConfig(tool_frac=0.5, sft_steps=2000)
 
-# A chat template so the chat path (envs.PromptFormat) runs on the embedded model too. It renders a
+# A chat template so the chat path (rollout.PromptFormat) runs on the embedded model too. It renders a
 # conversation as the plain text the model was warm-started on: every turn is just its text, no
 # generation prompt, nothing closing a turn (the model writes its own <eos>); so "37+485=" stays
 # "37+485=" and a game stays action<eos>observation, as without a template. Not part of the build
@@ -97,13 +93,10 @@ def build_model(cfg: TinyConfig):
     return Qwen2ForCausalLM(hf_config(cfg)).float()
 
 
-def sft_segments(p: task.Problem, tool: bool) -> list[tuple[str, bool]]:
+def sft_segments(p: task.Problem) -> list[tuple[str, bool]]:
     """One warm-start transcript as (text, trained) segments, each trained one ending with <eos> (the
-    model's turns). tool: call the calculator (envs.CalcEnv's protocol), then copy its value."""
-    if not tool:
-        return [(p.prompt, False), (p.answer, True)]
-    return [(p.prompt, False), (f"calc({p.prompt.rstrip('=')})", True), (calc_observation(p.answer), False),
-            (p.answer, True)]
+    model's turns): the prompt, then the answer."""
+    return [(p.prompt, False), (p.answer, True)]
 
 
 def encode_sft_batch(tokenizer, transcripts: list[list[tuple[str, bool]]]):
@@ -164,9 +157,10 @@ def _build_hash(cfg: TinyConfig) -> str:
 
 
 def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None = None,
-                      force: bool = False, log=print) -> Path:
+                      force: bool = False, log=print, tool=None) -> Path:
     """Return a built model dir, building it first when missing or stale. Safe against crashes:
-    the dir is written under a temporary name and renamed into place when complete."""
+    the dir is written under a temporary name and renamed into place when complete. tool(problem) ->
+    segments: the transcript of a warm-start example that uses a tool (cfg.tool_frac of them; ext/calc.py)."""
     cfg = cfg or TinyConfig()
     out_dir = Path(out_dir)
     meta_path = out_dir / "build.json"
@@ -188,7 +182,7 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     data = task.make_problems(cfg.sft_steps * cfg.sft_batch, seed=cfg.seed + 1, digits=cfg.digits)
     rng = random.Random(cfg.seed + 3)
-    data = [sft_segments(p, cfg.tool_frac > 0 and rng.random() < cfg.tool_frac) for p in data]
+    data = [tool(p) if cfg.tool_frac > 0 and rng.random() < cfg.tool_frac else sft_segments(p) for p in data]
     model.train()
     for step in range(cfg.sft_steps):
         lr = cfg.sft_lr * min(1.0, (step + 1) / 30)  # short warmup

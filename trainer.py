@@ -1,5 +1,5 @@
 """trainer.py: the training side, on every trainer rank: model, optimizer, FSDP2 data parallel,
-mixed precision, logprobs, checkpoints, and the run-dir checks (the ranks in lockstep: trainer_ranks.py).
+mixed precision, logprobs, checkpoints, and the run-dir checks (the ranks in lockstep: ranks.py).
 
     trainer = Trainer(model_dir, TrainConfig(...), trainer_group)
     metrics = trainer.train_step(samples, advantages, version)   # this rank's shard of the batch
@@ -8,12 +8,14 @@ mixed precision, logprobs, checkpoints, and the run-dir checks (the ranks in loc
 
 FSDP2 (`fully_shard` per decoder layer, then the root) over the trainer group when it has more than
 one rank; no rank then holds the whole model: it is built on the meta device, sharded, and each rank
-reads only its own shards (shard.py). --precision bf16: bfloat16 compute, float32 master weights, optimizer
-state and gradient reduce. Log-probs come from microbatch.PolicyNet (the LM head chunk by chunk, never
+reads only its own shards (model.py). --precision bf16: bfloat16 compute, float32 master weights, optimizer
+state and gradient reduce. Log-probs come from model.PolicyNet (the LM head chunk by chunk, never
 [B, T, V]); micro-batches are --micro-batch samples or packed by --max-tokens-per-micro. A batch is
 --ppo-epochs passes of --mini-batches optimizer steps; under FSDP every rank runs the same number of
 micro-batches (short ranks run empty ones of weight 0). --kl-coef > 0 adds a KL penalty to a frozen,
-sharded copy of the initial model (LoRA: the base, adapter off). Under FSDP a step's loss is the mean
+sharded copy of the initial model (a Weights that can switch itself off, LoRA's: the base, adapter off).
+What trains, travels to the engines and is saved is a Weights (the whole model; ext/lora.py: an adapter).
+Under FSDP a step's loss is the mean
 over every rank's tokens (or sequences), as on one rank. Simplifications: mini-batches keep their samples
 across epochs; the optimizer state is saved per rank, so a resume needs the same --train-gpus.
 Details: DESIGN.md#trainerpy.
@@ -32,12 +34,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import lora as lora_mod      # (Trainer's own `lora` is its LoraConfig)
 import losses
-import shard
+import model as model_mod
 from config import flag, opt
-# (collate, token_logprobs: imported from here by tests and tools too)
-from microbatch import EMPTY, collate, pack_by_tokens, split, token_logprobs
+from model import EMPTY, collate, pack_by_tokens, split, token_logprobs
 
 
 @dataclass
@@ -68,13 +68,6 @@ class TrainConfig(losses.LossConfig):
     logits_chunk: int = opt(1024, "positions per LM-head chunk in the log-prob forward: its [chunk, vocab] "
                                   "float32 logits are the largest tensor there")
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
-    stream_trainer: bool = opt(False, "the streaming trainer (stream.py): forward/backward on micro-batches "
-                                      "of complete groups as they arrive, gradients accumulated, one "
-                                      "optimizer step once the batch is complete (exact: the weights do not "
-                                      "move before it). Falls back to whole batches, saying so, with "
-                                      "--mini-batches > 1 or --ppo-epochs > 1 (each step needs the whole "
-                                      "batch) and with --colocate (the engines' GPUs train)")
-
     def __post_init__(self):
         super().__post_init__()
         for name, low in (("micro_batch", 1), ("ppo_epochs", 1), ("mini_batches", 1), ("warmup_steps", 0),
@@ -91,15 +84,6 @@ class TrainConfig(losses.LossConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
-
-    def stream_fallback(self, colocate: bool = False) -> str:
-        """Why --stream-trainer cannot apply ('' when it can, or when it is off)."""
-        if not self.stream_trainer:
-            return ""
-        why = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in ("mini_batches", "ppo_epochs")
-               if getattr(self, n) > 1] + (["--colocate"] if colocate else [])
-        return (f"--stream-trainer with {' and '.join(why)}: training whole batches (several optimizer steps "
-                f"per batch, or the engines' GPUs, need the whole batch first)") if why else ""
 
     def resolved(self, device: str) -> "TrainConfig":
         """The settings that default to the device's: bf16 and activation checkpointing on GPU, not on CPU
@@ -120,15 +104,44 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
         gap[key][1] += t["mask"][rows].sum().item()
 
 
+class Weights:
+    """What the trainer trains, syncs into the engines and saves: the whole model. A Weights of another
+    kind (ext/lora.py: a PEFT adapter on the frozen model) overrides these."""
+    switchable = False    # True: off(model), a context without them, is the initial model (--kl-coef's reference)
+
+    def wrap(self, model):
+        """The model to train (before sharding; its decoder layers must stay the model's own)."""
+        return model
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A model tensor's name in the model dir (None: not there, so not read from it)."""
+        return name
+
+    def init(self, model, seed: int):
+        """Set what the model dir does not hold (starting values the same on one rank or many)."""
+
+    def named(self, model, tied: bool) -> list:
+        """(HF name, tensor) of what the engines load, without gathering: every weight but a tied lm_head
+        (HF checkpoints don't carry it and engines re-tie it)."""
+        return [(n, v) for n, v in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+
+    def save(self, tmp: Path, named, model, base_dir: str):
+        """The checkpoint's model files in tmp: config, generation config, safetensors."""
+        from safetensors.torch import save_file
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
-                 lora: lora_mod.LoraConfig | None = None, adapter_dir: str = "", ref_dir: str = "",
-                 fsdp: bool = False, temperature: float = 1.0):
-        """lora with lora_rank > 0: train a PEFT adapter on the frozen model (adapter_dir: start from
-        that saved adapter, a --resume); its tensors are then all that named_weights() and the
-        checkpoints hold. ref_dir: --kl-coef's reference model (default model_dir; a resumed run passes
-        the model it started from). fsdp: the sharded path (FSDP2) even when `group` has one rank
-        (tools/gpu_check.py checks it on one GPU); with several ranks it is always taken.
+                 weights: Weights | None = None, ref_dir: str = "", fsdp: bool = False, temperature: float = 1.0):
+        """weights: what trains, syncs and is saved (default: the whole model; ext/lora.py: an adapter,
+        whose tensors are then all that named_weights() and the checkpoints hold). ref_dir: --kl-coef's
+        reference model (default model_dir; a resumed run passes the model it started from). fsdp: the
+        sharded path (FSDP2) even when `group` has one rank (tools/gpu_check.py checks it on one GPU);
+        with several ranks it is always taken.
         temperature: the engines' sampling temperature (--temperature); every log-prob the loss sees (the
         policy's, pi_prox's, the reference's) is of softmax(logits / temperature), the distribution the
         engines sample from and report (vllm_engine: processed logprobs)."""
@@ -137,24 +150,24 @@ class Trainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.cfg = cfg = cfg.resolved(self.device.type)
-        self.lora = lora if lora is not None and lora.lora_rank else None
+        self.weights = weights or Weights()
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.fsdp = self.world > 1 or (fsdp and group is not None)
         self.bf16 = cfg.precision == "bf16"
         torch.manual_seed(cfg.seed)
-        build = functools.partial(shard.build, device=self.device, group=group if self.fsdp else None,
+        build = functools.partial(model_mod.build, device=self.device, group=group if self.fsdp else None,
                                   bf16=self.bf16, chunk=cfg.logits_chunk)
-        self.model, self.net = build(model_dir, lora=self.lora, checkpointing=cfg.grad_checkpointing == "on")
+        self.model, self.net = build(model_dir, weights=self.weights,
+                                     checkpointing=cfg.grad_checkpointing == "on")
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        if self.lora:
-            shard.set_adapter(self.model, adapter_dir, cfg.seed)
-        # --kl-coef: a frozen copy of the initial model, sharded like the policy (LoRA: the base itself,
-        # with the adapter switched off, so no copy); 0 = none loaded
+        self.weights.init(self.model, cfg.seed)
+        # --kl-coef: a frozen copy of the initial model, sharded like the policy (a switchable Weights: the
+        # model itself with them switched off, so no copy); 0 = none loaded
         self.ref_net = (build(ref_dir or model_dir, frozen=True)[1]
-                        if cfg.kl_coef > 0 and not self.lora else None)
-        # LoRA: only the adapter trains, so only it has optimizer state
+                        if cfg.kl_coef > 0 and not self.weights.switchable else None)
+        # what is frozen (LoRA's base) has no optimizer state
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
         self.num_steps = 0                # batches trained (restored on resume; the LR warm-up counts these)
@@ -195,7 +208,7 @@ class Trainer:
         self.num_steps += 1
         return self.step_metrics(lr, gap)
 
-    # --- the pieces of a step (train_step; stream.GradStream, the streaming trainer, uses them too)
+    # --- the pieces of a step (train_step; ext/stream_trainer.GradStream uses them too)
     def set_lr(self) -> float:
         """The step's learning rate (linear warm-up over the batches trained so far), set; returned."""
         lr = self.cfg.lr * min(1.0, (self.num_steps + 1) / max(self.cfg.warmup_steps, 1))
@@ -208,7 +221,7 @@ class Trainer:
         """What micro-batch t needs from the weights before any update: the trainer's own logprobs
         (`pre`) when the loss needs them, --kl-coef's reference logprobs."""
         cfg = self.cfg
-        if cfg.loss == "decoupled_ppo" or cfg.recompute_old_logprobs or cfg.is_correction != "none":
+        if losses.LOSSES[cfg.loss].needs_prox or cfg.recompute_old_logprobs or cfg.is_correction != "none":
             t["pre"] = self.logprobs(t)
         if cfg.kl_coef > 0:
             t["ref"] = self.ref_logprobs(t)
@@ -273,11 +286,12 @@ class Trainer:
 
     @torch.no_grad()
     def ref_logprobs(self, t: dict) -> torch.Tensor:
-        """--kl-coef's reference logprobs [B, T] (the initial model; LoRA: the base, adapter off)."""
+        """--kl-coef's reference logprobs [B, T] (the initial model; a switchable Weights: this model with
+        them off)."""
         if self.ref_net is not None:
             return token_logprobs(self.ref_net, t["input_ids"], t["attn"], t["mask"],
                                   temperature=self.temperature)
-        with self.model.disable_adapter():
+        with self.weights.off(self.model):
             return self.logprobs(t)
 
     def _plan(self, samples, advantages, version) -> list[list[dict]]:
@@ -349,13 +363,8 @@ class Trainer:
     # --- weights out
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of what the engines load, without gathering (a sharded DTensor knows its
-        full shape). A tied lm_head is left out: HF checkpoints don't carry it and engines re-tie it.
-        LoRA: the adapter's tensors only, under PEFT's saved names (lora.adapter_name)."""
-        if self.lora:
-            return [(lora_mod.adapter_name(n), v) for n, v in self.model.state_dict().items()
-                    if lora_mod.is_adapter_tensor(n)]
-        return [(n, v) for n, v in self.model.state_dict().items()
-                if not (self.tied and n == "lm_head.weight")]
+        full shape): Weights.named's."""
+        return self.weights.named(self.model, self.tied)
 
     def iter_full_state(self, dtypes: list[torch.dtype] | None = None):
         """(HF name, full tensor on this rank's device), one weight at a time: under FSDP each is one
@@ -415,17 +424,9 @@ class Trainer:
                     shutil.rmtree(old, ignore_errors=True)
 
     def _write_model(self, tmp: Path, named, state: dict, tokenizer_dir: str):
-        from safetensors.torch import save_file
         from transformers import AutoTokenizer
 
-        if self.lora:         # a PEFT adapter dir (PeftModel.from_pretrained and vLLM's LoRA loader read it)
-            lora_mod.save_adapter(tmp, named, self.lora, base=tokenizer_dir)     # (the base model's dir)
-        else:
-            self.model.config.save_pretrained(tmp)
-            if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(tmp)
-            save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+        self.weights.save(tmp, named, self.model, tokenizer_dir)     # (tokenizer_dir: the base model's dir)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
 

@@ -5,12 +5,14 @@
 
 The backend calls (stream, abort, pause, resume, set_version, receive_weights, score, sleep, wake,
 shutdown) are the ones tools/fake_engine.FakeTimedEngine speaks too, so every rule of the proxy is the
-same code over either. Also here: where each engine runs (cpu_layout: a CPU core of its own;
-engine_gpu: its rank's GPU). Design notes: DESIGN.md#proxypy
+same code over either. An extension adapts an engine (on_engine): what its workers do with received
+tensors (`load`, weight_sync.WeightSyncWorker.load), keywords every request carries (request_kwargs),
+what follows a receive (after_receive): ext/lora.py's adapter. Design notes: DESIGN.md#the-proxy
 """
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import shutil
 import threading
@@ -25,22 +27,11 @@ from proxy import Sampling
 USER_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ    # the user's own engine core binding
 
 
-def cpu_layout(cores: list[int], num_rollout: int) -> tuple[list[int], list[int]]:
-    """CPU runs, one node: (host cores, engine cores). Each vLLM engine (its engine-core and worker
-    processes) gets a core of its own, from the top; the ranks' own Python (trainers, controller, the
-    rollout ranks' front ends) shares the rest; with no core to spare, everything shares
-    (measured: DESIGN.md#proxypy)."""
-    if len(cores) > num_rollout:
-        return cores[:len(cores) - num_rollout], cores[len(cores) - num_rollout:]
-    return cores, cores
-
-
-def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
-    """CUDA_VISIBLE_DEVICES for a rollout rank's engine processes: this rank's own GPU (LOCAL_RANK
-    round robin over the node's GPUs; under --colocate two ranks share one), named as the parent sees
-    it (a user's CUDA_VISIBLE_DEVICES list is honoured). vLLM's engine otherwise takes device 0."""
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
-    return ids[local_rank % len(ids)]
+def export_startup_timeout(seconds: float):
+    """vLLM's own wait for its engine core (VLLM_ENGINE_READY_TIMEOUT_S, default 600 s, read once when
+    vLLM's engine client is imported: so before any vLLM import) follows --startup-timeout-s, a minute
+    longer: the rank's own wait fires first and names the flag."""
+    os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(math.ceil(seconds) + 60)
 
 
 class VLLMEngine:
@@ -52,20 +43,21 @@ class VLLMEngine:
         # stops on the generation config's EOS ids by itself
         self.stop_token_ids: list[int] = []
         self.ipc_dir = ipc_dir    # this engine's ZMQ IPC sockets (VLLM_RPC_BASE_PATH), removed at shutdown
-        self.adapter_config: dict | None = None    # LoRA: the adapter's adapter_config.json content
-        self.lora_request = None  # LoRA: the adapter every request names, once the engine holds one
+        self.load: tuple | None = None        # ("module:function", arg): the workers' load (None: reload)
+        self.request_kwargs: dict = {}        # every generate call's keywords (ext/lora.py: lora_request)
+        self.after_receive: list = []         # called after each receive_weights
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
               kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.85, dtype: str = "float32",
-              seed: int = 0, cpu_cores: str = "", sleep_mode: bool = False, lora=None, adapter_dir: str = "",
-              enforce_eager: bool | None = None, **engine_kwargs) -> "VLLMEngine":
+              seed: int = 0, cpu_cores: str = "", enforce_eager: bool | None = None, on_engine=None,
+              **engine_kwargs) -> "VLLMEngine":
         """max_model_len None: the model's own (max_position_embeddings). dtype float32 on CPU keeps
         engine and trainer logprobs equal to ~1e-6; GPUs run bfloat16. KV cache: kv_cache_gib on CPU
         (VLLM_CPU_KVCACHE_SPACE; vLLM's default takes most of the machine), gpu_memory_utilization on GPU.
-        lora (lora.LoraConfig, rank > 0): serve model_dir plus one LoRA adapter, the one in adapter_dir
-        (a --resume) or else none (the base model) until a weight sync sends one. enforce_eager None: eager
-        on CPU (vLLM's CPU build compiles nothing), CUDA graphs on GPU (vLLM's default)."""
+        enforce_eager None: eager on CPU (vLLM's CPU build compiles nothing), CUDA graphs on GPU (vLLM's
+        default). on_engine(engine): called once it runs (the extensions' on_engine). engine_kwargs:
+        AsyncEngineArgs' own (the extensions' engine_args: enable_lora, enable_sleep_mode, ...)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         # On CPU, each engine binds its OpenMP threads; left on "auto", every engine on a node picks
         # the same core (verified: two engines both on core 0). cpu_cores="1" or "4-7" gives this
@@ -82,13 +74,8 @@ class VLLMEngine:
         # (vLLM's CPU platform always runs the model in a worker process separate from the engine
         # core, even for one worker; the two hand over through a shared-memory queue that spins with
         # sched_yield. Both inherit this rank's core, so the spinning yields to generation.)
-        lora = lora if lora is not None and lora.lora_rank else None
-        if lora:
-            from lora import engine_rank
-            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=engine_rank(lora.lora_rank))
         if torch.cuda.is_available():
             engine_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
-            engine_kwargs.setdefault("enable_sleep_mode", sleep_mode)     # --colocate
         # No tokenizer in the engine: prompts arrive as token ids and outputs leave as token ids
         # (detokenize=False), and with one the front end borrows it from its pool per request just to
         # read its EOS id (12.5% of the rollout rank's CPU in the default run, py-spy). _start reads the
@@ -112,8 +99,8 @@ class VLLMEngine:
             engine = cls._start(args)
         finally:   # (a pool thread, in the tools: later work must not stay on the engine's core)
             os.sched_setaffinity(0, affinity)
-        if lora:
-            engine.use_adapter(lora.adapter_config(model_dir), adapter_dir)
+        if on_engine is not None:
+            on_engine(engine)
         return engine
 
     @classmethod
@@ -153,20 +140,6 @@ class VLLMEngine:
                 raise TimeoutError(f"{who}: the vLLM engine did not start within {timeout_s:.0f}s "
                                    f"(--startup-timeout-s)") from None
             raise
-
-    def use_adapter(self, config: dict, adapter_dir: str = ""):
-        """LoRA: requests name the engine's adapter (lora.ADAPTER_ID): the one in adapter_dir, loaded
-        at the first request; without a dir, none (the base model) until the first weight sync."""
-        self.adapter_config = config
-        if adapter_dir:
-            self.lora_request = self._adapter_request(adapter_dir)
-
-    @staticmethod
-    def _adapter_request(path: str):
-        from vllm.lora.request import LoRARequest
-
-        import lora
-        return LoRARequest(lora.ADAPTER_NAME, lora.ADAPTER_ID, path)
 
     @classmethod
     def _start(cls, args) -> "VLLMEngine":
@@ -219,7 +192,7 @@ class VLLMEngine:
         # already rendered (token ids): vLLM processes it on the loop, not in its thread pool. Prefix-cache
         # blocks are shared only between requests of the same salt
         prompt = tokens_input(prompt_token_ids, cache_salt=cache_salt or None)
-        async for out in self.llm.generate(prompt, params, request_id, lora_request=self.lora_request):
+        async for out in self.llm.generate(prompt, params, request_id, **self.request_kwargs):
             o = out.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
             if not out.finished:
@@ -254,39 +227,24 @@ class VLLMEngine:
         await self.llm.update_weight_version(str(version))
 
     async def receive_weights(self, spec, first_rank: int, meta):
-        """Every worker joins spec's weight-sync group and loads what its rank 0 broadcasts
-        (weight_sync.WeightSyncWorker); collective_rpc carries only the spec and the meta. Returns
-        each worker's timings."""
+        """Every worker receives the weights the way spec's transport hands them over (weight_sync.py: it
+        joins the weight-sync group and loads what its rank 0 broadcasts) and loads them (self.load);
+        collective_rpc carries only the spec, the meta and the load. Returns each worker's timings. A
+        receive that ends otherwise than by the workers' answer (the engine died) tells the transport."""
         from dataclasses import asdict
 
-        from lora import is_adapter_tensor
-        adapter = self.adapter_config if meta and all(is_adapter_tensor(m[0]) for m in meta) else None
-        if spec.transport == "ipc":        # weight_ipc.py: trainer rank e hands engine e its buckets
-            out = await self._receive_ipc(spec, (first_rank - 1) // spec.workers_per_engine, meta, adapter)
-        else:
-            out = await self.llm.collective_rpc("receive_weights",
-                                                args=(asdict(spec), first_rank, meta, adapter))
-        if adapter is not None and self.lora_request is None:      # every worker holds it now
-            # (vLLM wants a path even for an adapter its workers hold; this one says where it came from)
-            self.lora_request = self._adapter_request("(weight sync)")
+        from weight_sync import TRANSPORTS
+        try:
+            out = await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta, self.load))
+        except BaseException as e:
+            TRANSPORTS[spec.transport].receive_failed(spec, first_rank, meta, e)
+            raise
+        for hook in self.after_receive:
+            hook()
         return out
         # (prefix-cache KV computed with the old weights is never reused: requests carry the policy
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
-
-    async def _receive_ipc(self, spec, engine: int, meta, adapter):
-        """The worker takes its buckets from the store (WeightSyncWorker.receive_weights_ipc). If the
-        call ends otherwise than by the worker's own answer (the engine died: the proxy cancels it),
-        the trainer rank waiting for its acks is told at once, not at its timeout."""
-        from dataclasses import asdict
-
-        import weight_ipc
-        try:
-            return await self.llm.collective_rpc("receive_weights_ipc",
-                                                 args=(asdict(spec), engine, meta, adapter))
-        except BaseException as e:
-            weight_ipc.tell_sender(spec, engine, meta, f"engine {engine}: its receive ended: {e!r}")
-            raise
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` given the ones before it (first token: none), at temperature 1
@@ -296,7 +254,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                           f"score-{time.monotonic_ns()}", lora_request=self.lora_request):
+                                           f"score-{time.monotonic_ns()}", **self.request_kwargs):
             final = out
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 

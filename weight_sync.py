@@ -12,6 +12,10 @@ built with vLLM's stateless helpers on the run's key-value store; gloo on CPU, N
 code), the bucket plan (plan_buckets over weight_meta, computed alike on both sides), Sender (gather,
 flatten and broadcast bucket by bucket) and WeightSyncWorker (the vLLM worker extension that
 receives each bucket and loads it as it arrives). A replaced engine means a new group generation.
+The seam: TRANSPORTS, --weight-transport's registry. A transport (GroupTransport here; ext/colocate.py's
+ipc) says what layout it cannot run on, makes the trainer ranks' senders, and names its worker-side
+receive in the sync's spec (GroupSpec.receiver); what the workers do with the tensors is the engine's
+`load` (None: vLLM's reload of the model's weights; ext/lora.py: its adapter).
 Every wait raises within the group's timeout and a failed one aborts that group (NCCL: the group is
 built with blocking waits and no watchdog, nccl_group_env, so a dead engine ends no process).
 
@@ -71,8 +75,9 @@ class GroupSpec:
     backend: str = "gloo"     # "gloo" (CPU) | "nccl" (GPU)
     timeout_s: float = 600.0  # every collective of the group, and joining it
     bucket_bytes: int = 64 << 20
-    transport: str = "group"  # "group" (this module's broadcast) | "ipc" (weight_ipc.py: no group)
+    transport: str = "group"  # TRANSPORTS' name: "group" (this module's broadcast), "ipc" (ext/colocate.py)
     seq: int = 0              # the sync's number (the controller counts them): the ipc path's keys
+    receiver: str = ""        # "module:function" of another transport's worker-side receive ("": the group's)
 
     def with_gen(self, gen: int, seq: int = 0) -> "GroupSpec":
         return GroupSpec(**{**asdict(self), "gen": gen, "seq": seq})
@@ -212,19 +217,58 @@ class Sender:
             raise
 
 
+class GroupTransport:
+    """--weight-transport group, the default: trainer rank 0 broadcasts every bucket into every engine's
+    workers over one process group. A transport of another kind is a class like this one in TRANSPORTS."""
+    every_rank = False       # which trainer ranks hold a sender: rank 0 (the others only take part in gathers)
+
+    def layout_errors(self, places: list, train: int, cuda: bool, name, where) -> list[str]:
+        """What this layout breaks for it, before any group forms: the weight-sync group holds trainer rank
+        0 and every engine, and NCCL refuses two ranks of one GPU. places[r]: rank r's (node, GPU);
+        name(r), where(r): how to say rank r and where it runs."""
+        seen, errors = {}, []
+        for r in [0, *range(train, len(places))]:
+            if cuda and places[r] in seen:
+                errors.append(f"the weight-sync group would hold {name(seen[places[r]])} and {name(r)}, both on "
+                              f"{where(r)}: NCCL refuses two ranks of one GPU")
+            seen.setdefault(places[r], r)
+        return errors
+
+    def sender(self, rank: int, backend: str, **where):
+        """Trainer rank `rank`'s sender (where: Sender's host, port, store, prefix, device, timeout_s,
+        bucket_bytes), or None."""
+        return Sender(**where, backend=backend) if rank == 0 else None
+
+    def receive_failed(self, spec: GroupSpec, first_rank: int, meta: Meta, error: BaseException):
+        """The engine's receive ended otherwise than by its workers' answer (it died): the group's members
+        find out by themselves (their waits fail)."""
+
+
+TRANSPORTS = {"group": GroupTransport()}
+
+
+def named_function(path: str):
+    """"module:function" -> the function (imported in the worker process: ext/ is on its path)."""
+    import importlib
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls="weight_sync.WeightSyncWorker"); its
     methods run in the worker process, called by collective_rpc."""
 
-    def receive_weights(self, spec: dict, first_rank: int, meta: Meta, adapter: dict | None = None) -> dict:
+    def receive_weights(self, spec: dict, first_rank: int, meta: Meta, load: tuple | None = None) -> dict:
         """Join spec's group (first time, or a new generation) as first_rank + this worker's rank,
-        receive every bucket and load it as it arrives. adapter (a LoRA adapter's adapter_config.json
-        content): meta is that adapter's tensors, which replace the engine's adapter (lora.ADAPTER_ID).
-        Returns the tensors loaded and seconds: in all (total_s), waiting in the broadcast (wait_s; the
-        rest is vLLM's own load)."""
+        receive every bucket and load it as it arrives (spec.receiver: another transport's receive does
+        this part). load ("module:function", its argument): what to do with the tensors instead of vLLM's
+        reload of the model's weights (ext/lora.py: replace the engine's adapter). Returns the tensors
+        loaded and seconds: in all (total_s), waiting for the buckets (wait_s; the rest is vLLM's own load)."""
         import time
         t0 = time.monotonic()
         spec = GroupSpec(**spec)
+        if spec.receiver:
+            return named_function(spec.receiver)(self, spec, first_rank, meta, load)
         rank = first_rank + getattr(self, "rank", 0)
         who = f"engine worker (weight-sync rank {rank}, gen {spec.gen})"
         if getattr(self, "_sync_gen", None) != (spec.host, spec.port, spec.prefix, spec.gen):
@@ -263,41 +307,15 @@ class WeightSyncWorker:
                     count[0] += 1
                     yield meta[i][0], chunk.view(meta[i][1])
 
-        self._load(tensors(), adapter)
+        self.load(tensors(), load)
         return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
 
-    def receive_weights_ipc(self, spec: dict, engine: int, meta: Meta, adapter: dict | None = None) -> dict:
-        """The ipc transport (weight_ipc.py): engine `engine`'s buckets, handed over by trainer rank
-        `engine` through the run's store, loaded as they arrive; adapter as in receive_weights.
-        Returns what receive_weights returns."""
-        import time
-
-        import weight_ipc
-        t0 = time.monotonic()
-        spec = GroupSpec(**spec)
-        who = f"engine {engine}'s worker (weight-sync ipc, gen {spec.gen}, sync {spec.seq})"
-        if getattr(self, "rank", 0) != 0:
-            raise RuntimeError(f"{who}: the ipc transport hands each engine's buckets to one worker; "
-                               f"this engine has more (worker {self.rank})")
-        if getattr(self, "_ipc_at", None) != (spec.host, spec.port):
-            self._ipc_store, self._ipc_at = weight_ipc.connect(spec), (spec.host, spec.port)
-            self._ipc_slots = {}
-        rx = weight_ipc.IpcReceiver(self._ipc_store, spec, engine, meta, self.model_runner.device,
-                                    self._ipc_slots, who)
-        try:
-            self._load(rx.stream(), adapter)
-        except BaseException as e:
-            if not isinstance(e, weight_ipc.PeerFailed):
-                rx.fail(f"{who}: {e}")
-            raise
-        return {"tensors": len(meta), "wait_s": rx.waited, "total_s": time.monotonic() - t0}
-
-    def _load(self, stream, adapter: dict | None):
-        """Every (name, tensor) of `stream` into the model with vLLM's own reload (or, adapter: the
-        engine's LoRA adapter, replaced). On a GPU the buckets' memory then goes back to the device
-        (outside vLLM's sleep-mode pool: a colocated trainer needs it while this engine sleeps)."""
-        if adapter is not None:
-            self._load_adapter(dict(stream), adapter)
+    def load(self, stream, load: tuple | None = None):
+        """Every (name, tensor) of `stream` into the model with vLLM's own reload (or load's function, given
+        this worker, the tensors and its argument). On a GPU the buckets' memory then goes back to the
+        device (outside vLLM's sleep-mode pool: a colocated trainer needs it while this engine sleeps)."""
+        if load is not None:
+            named_function(load[0])(self, dict(stream), load[1])
         else:
             self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
             # (a loader that stopped early: the sender still needs every bucket taken)
@@ -306,29 +324,6 @@ class WeightSyncWorker:
             self._fix_tied_head()
         if torch.device(self.model_runner.device).type == "cuda":
             torch.cuda.empty_cache()
-
-    def _load_adapter(self, tensors: dict, config: dict):
-        # vLLM's own LoRA loading, from tensors instead of a dir (what its LRU worker manager does for an
-        # in-place reload): the new adapter replaces the old under the same id, and is made active, so
-        # requests kept across the sync (keep mode) continue with it at their next step
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-
-        from lora import ADAPTER_ID
-        manager = self.model_runner.lora_manager
-        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings":
-                                       manager.max_position_embeddings})
-        helper.validate_legal(manager.lora_config)
-        mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
-        on_cpu = {n: t.to("cpu") for n, t in tensors.items()}      # (vLLM keeps adapters on the host)
-        adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, on_cpu, helper, device="cpu",
-                                              dtype=manager.lora_config.lora_dtype,
-                                              model_vocab_size=manager.vocab_size,
-                                              weights_mapper=mapper.get_rename_mapper() if mapper else None)
-        models = manager._adapter_manager           # (vLLM's LoRAModelManager: no public in-place load)
-        models.remove_adapter(ADAPTER_ID)
-        models.add_adapter(adapter)
-        models.activate_adapter(ADAPTER_ID)
 
     def _fix_tied_head(self):
         # Tied embeddings: HF checkpoints have no lm_head.weight, so the reload never touches the
@@ -351,7 +346,7 @@ PUSHES = itertools.count(1)      # push()'s syncs, numbered as the controller nu
 async def push(proxies, sender, named, version: int, gen: int = 0):
     """One process holding the weights and the proxies (benchmarks, tests): `named` into every
     (suspended) proxy's engine, generation `gen`. sender: a Sender (a broadcast over its group) or a
-    list of weight_ipc.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
+    list of ext/colocate.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
     import asyncio
     named = list(named)
     meta = weight_meta(named)

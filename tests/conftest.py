@@ -14,6 +14,9 @@ sys.path.insert(0, str(ROOT))
 # vLLM's worker processes import weight_sync.WeightSyncWorker by name
 os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
+import ext  # noqa: E402  (every ext/ file registered, as in a run)
+ext.load()
+
 
 def run_virtual(coro):
     """Run a coroutine on an event loop whose clock jumps ahead whenever every task sleeps (looptime):

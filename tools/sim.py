@@ -85,15 +85,20 @@ from pathlib import Path
 
 import looptime
 
+import ext
 from buffer import LocalQueues, SampleBuffer
-from controller import AsyncController, ControllerConfig, rl_step, run_local
+from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
 from env_manager import EnvManager, RolloutConfig
-from envs import FaultyEnv, LatencyEnv
+from ext.deadlines import DeadlineConfig, EnvDeadline
+from ext.faults import FaultyEnv, LatencyEnv
+from ext.stream_trainer import TrainStream
+from ext.tail_batching import TailBatching
+from ext.verifiers import VerifierConfig
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy
-from stream import TrainStream
 from task import Problem
 
+ext.load()           # (the envs: --env guess)
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
@@ -122,7 +127,7 @@ class SimConfig:
     filter_groups: bool = True       # DAPO dynamic filtering of all-equal-reward groups
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
-    tail_batching: bool = False     # RollPacker's tail batching (controller.ControllerConfig, tail.py)
+    tail_batching: bool = False     # RollPacker's tail batching (ext/tail_batching.py's Admission)
     tail_oversample: float = 1.5    # ... a short round's prompts per batch, times B
     tail_extra_samples: int = 0     # ... a short round's samples per prompt beyond G
     stream_train: bool = False      # the streaming trainer: each complete group is trained on (its tokens'
@@ -430,7 +435,7 @@ def sim_problems(cfg: SimConfig):
 
 
 class SimStream:
-    """The streaming trainer's time model (stream.TrainStream's backend): each complete group costs its
+    """The streaming trainer's time model (ext/stream_trainer.TrainStream's backend): each complete group costs its
     tokens' share of train_time as it arrives, the optimizer step train_overhead_s at the end."""
 
     def __init__(self, cfg: SimConfig, gpus: int):
@@ -456,7 +461,9 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
     R = cfg.rollout_gpus
     T = R if cfg.colocated else cfg.train_gpus
     buffer = SampleBuffer(LocalQueues(R), "sim", cfg.timeout_s)
-    ctrl = AsyncController(sub_config(ControllerConfig, cfg), buffer, problems or sim_problems(cfg), R)
+    ccfg = sub_config(ControllerConfig, cfg)
+    admission = TailBatching(ccfg, cfg.tail_oversample, cfg.tail_extra_samples) if cfg.tail_batching else None
+    ctrl = AsyncController(ccfg, buffer, problems or sim_problems(cfg), R, admission=admission)
     if setup is not None:
         setup(ctrl)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
@@ -483,7 +490,8 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
 
         proxies.append(proxy)
         managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, async_ratio=cfg.async_ratio,
-                                   sync_timeout_s=cfg.timeout_s, env_wrappers=wrap))
+                                   sync_timeout_s=cfg.timeout_s, env_wrappers=wrap,
+                                   deadline=EnvDeadline.of(rcfg, DeadlineConfig(), VerifierConfig().reward_timeout_s)))
 
     rows = []
 
@@ -498,11 +506,12 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
             while any(p.version <= ctrl.version for p in proxies):
                 await asyncio.sleep(0.05)
 
-    stream = TrainStream(cfg.group_size, SimStream(cfg, T), cfg.timeout_s) if cfg.stream_train else None
+    backend = (TrainStream(cfg.group_size, SimStream(cfg, T), cfg.timeout_s) if cfg.stream_train
+               else WholeBatch(train, cfg.group_size))
 
     async def trainer():                          # train.py's loop (controller.rl_step)
         for _ in range(cfg.steps):
-            s = await rl_step(ctrl, train, send, stream=stream)
+            s = await rl_step(ctrl, backend, send)
             rows.append({**s.info, "t_end": loop.time(), "time_rollout": s.info["time_wait_rollout"],
                          "time_train": s.train_s, "time_sync": s.sync["time_weight_sync"],
                          "tokens": s.metrics["tokens"], "time_trainer_busy": s.metrics["time_trainer_busy"],

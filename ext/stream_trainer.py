@@ -1,10 +1,10 @@
-"""stream.py: the streaming trainer (--stream-trainer, RollPacker's stream trainer without its elastic
-GPUs): each complete group is trained on as it arrives, gradients accumulate, and one optimizer step
-follows once the batch is complete. The weights do not move before that step, so it is exact.
+"""ext/stream_trainer.py: the streaming trainer (--stream-trainer, RollPacker's stream trainer without its
+elastic GPUs), a controller.TrainBackend that streams: each complete group is trained on as it arrives,
+gradients accumulate, and one optimizer step follows once the batch is complete. The weights do not move
+before that step, so it is exact.
 
     stream = TrainStream(group_size, backend, timeout_s, "grpo")  # rl_step's side: groups in, a worker trains
-    batch, info = await ctrl.collect(on_group=stream.add)  # (stream.begin(version) first)
-    metrics, probe_ref = await stream.finish()              # the rest, then the optimizer step
+    step = await rl_step(ctrl, stream, send, meta, group)           # collect(stream.add) as groups complete
     grad = GradStream(trainer); grad.begin(v); grad.micro(samples, adv); grad.step()   # every trainer rank
     dealer = Dealer(world, micro_batch, max_tokens)          # rank 0: arrivals -> micro-batches per rank
 
@@ -14,19 +14,24 @@ weights: each micro-batch's loss is backpropagated times its own token count (se
 its sequence count), and the sum is scaled once, before clipping and the step, by 1 / the total. Under
 FSDP every rank runs every forward/backward (a collective): rank 0 deals each micro-batch over the
 ranks, a rank with no share runs an empty one (weight 0); the total is all-reduced, so the step
-normalises by the batch's tokens over all ranks, as train_step does. Where it cannot apply (several
-optimizer steps per batch, --colocate) the caller trains whole batches: TrainConfig.stream_fallback
-says why. Design notes: DESIGN.md#streampy
+normalises by the batch's tokens over all ranks, as train_step does. The trainer ranks' ops for it are
+registered in ranks.OPS. Where it cannot apply (several optimizer steps per batch, --colocate) whole
+batches train, and the run says why (fallback).
 """
 
+
 import asyncio
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from config import Extension, extension, opt
 from losses import agg_count, estimate_advantages
-from microbatch import pack_by_tokens
+from model import pack_by_tokens
 from proxy import now
+from ranks import OPS, TrainerRanks
+from runlog import print0
 
 
 class GradStream:
@@ -125,10 +130,11 @@ class Dealer:
 
 
 class TrainStream:
-    """rl_step's side of the streaming trainer. backend: async begin(version); async add(samples,
-    advantages) (forward/backward as micro-batches fill); async step(version) -> (metrics, probe_ref).
-    A worker task runs them one at a time, in order, while the controller goes on collecting.
-    busy_s: the worker's time in them this step (the trainer's busy time)."""
+    """rl_step's side of the streaming trainer: a controller.TrainBackend that streams. backend: async
+    begin(version); async add(samples, advantages) (forward/backward as micro-batches fill); async
+    step(version) -> (metrics, probe_ref). A worker task runs them one at a time, in order, while the
+    controller goes on collecting. busy_s: the worker's time in them this step (the trainer's busy time)."""
+    streams = True
 
     def __init__(self, group_size: int, backend, timeout_s: float = 600.0, estimator: str = "grpo"):
         self.G, self.backend, self.timeout_s = group_size, backend, timeout_s
@@ -173,3 +179,99 @@ class TrainStream:
             raise TimeoutError(f"trainer rank 0: the streaming trainer's micro-batches and step did not end "
                                f"within {self.timeout_s:.0f}s of the batch's last group") from None
         return {**metrics, "time_trainer_busy": self.busy_s}, probe_ref
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer ranks' side: rank 0 deals micro-batches; each is one op on every rank (ranks.OPS)
+
+
+def _begin(ranks: TrainerRanks, op: dict):
+    ranks.grad = GradStream(ranks.trainer)
+    ranks.grad.begin(op["version"])
+
+
+def _micro(ranks: TrainerRanks, op: dict):
+    ranks.grad.micro(*op["parts"][ranks.trainer.rank])
+
+
+def _step(ranks: TrainerRanks, op: dict):
+    metrics = ranks.grad.step()
+    return metrics, (ranks.trainer.probe_logprobs(ranks.probe_ids) if op["probe"] else None)
+
+
+OPS.update(stream_begin=_begin, stream_micro=_micro, stream_step=_step)
+
+
+class RanksStream:
+    """TrainStream's backend over the trainer ranks, from a worker thread (rank 0's event loop goes on
+    collecting meanwhile): begin, a forward/backward per micro-batch the arrivals fill, the step."""
+
+    def __init__(self, ranks: TrainerRanks, probe_due):
+        self.ranks, self.probe_due = ranks, probe_due
+
+    def _begin(self, version: int):
+        cfg = self.ranks.trainer.cfg
+        self.dealer = Dealer(self.ranks.num_ranks, cfg.micro_batch, cfg.max_tokens_per_micro)
+        self.ranks.run({"op": "stream_begin", "version": version})
+
+    def _add(self, samples, advantages):
+        for parts in self.dealer.add(samples, advantages):
+            self.ranks.run({"op": "stream_micro", "parts": parts})
+
+    def _step(self, probe: bool):
+        for parts in self.dealer.flush():
+            self.ranks.run({"op": "stream_micro", "parts": parts})
+        return self.ranks.run({"op": "stream_step", "probe": probe})
+
+    async def begin(self, version: int):
+        await asyncio.to_thread(self._begin, version)
+
+    async def add(self, samples, advantages):
+        await asyncio.to_thread(self._add, samples, advantages)
+
+    async def step(self, version: int):
+        return await asyncio.to_thread(self._step, self.probe_due(version + 1))
+
+
+@dataclass
+class StreamConfig:
+    stream_trainer: bool = opt(False, "the streaming trainer (ext/stream_trainer.py): forward/backward on "
+                                      "micro-batches of complete groups as they arrive, gradients accumulated, "
+                                      "one optimizer step once the batch is complete (exact: the weights do not "
+                                      "move before it). Falls back to whole batches, saying so, with "
+                                      "--mini-batches > 1 or --ppo-epochs > 1 (each step needs the whole "
+                                      "batch) and with --colocate (the engines' GPUs train)")
+
+
+def fallback(cfg) -> str:
+    """Why --stream-trainer cannot apply to this run ('' when it can)."""
+    colocate = getattr(cfg.ext.get("colocate"), "colocate", False)
+    why = [f"--{n.replace('_', '-')} {getattr(cfg.train, n)}" for n in ("mini_batches", "ppo_epochs")
+           if getattr(cfg.train, n) > 1] + (["--colocate"] if colocate else [])
+    return (f"--stream-trainer with {' and '.join(why)}: training whole batches (several optimizer steps "
+            f"per batch, or the engines' GPUs, need the whole batch first)") if why else ""
+
+
+@extension
+class StreamTrainer(Extension):
+    name, Config = "stream_trainer", StreamConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return part.stream_trainer
+
+    def train_backend(self, ranks, probe_due):
+        if why := fallback(self.cfg):
+            print0(f"train.py: {why}")
+            return None
+        c = self.cfg
+        return TrainStream(c.controller.group_size, RanksStream(ranks, probe_due), c.controller.timeout_s,
+                           c.train.adv_estimator)
+
+    def on_row(self, row: dict):
+        self.busy = getattr(self, "busy", 0.0) + row.get("time_trainer_busy", 0.0)
+        self.steps = getattr(self, "steps", 0.0) + row.get("time_step", 0.0)
+
+    def summary_lines(self, runlog):
+        return [f"  trainer    busy {getattr(self, 'busy', 0.0) / max(getattr(self, 'steps', 0.0), 1e-9):.0%} "
+                f"of the step time"]

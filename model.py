@@ -1,24 +1,34 @@
-"""microbatch.py: what one micro-batch of the trainer is: samples packed by tokens, collated, and the
-log-prob forward that never materialises [B, T, V] logits.
+"""model.py: the trainer's model on its ranks, and what one micro-batch of it is.
 
+    model, net = build(model_dir, device="cuda:0", group=trainer_group, bf16=True, chunk=1024)
     parts = pack_by_tokens([s.num_tokens for s in samples], budget=16384)   # index lists, longest first
     t = collate([samples[i] for i in parts[0]], device)                      # right-padded tensors
-    net = PolicyNet(model, chunk=1024)          # the FSDP root: body, then the LM head chunk by chunk
     logp = token_logprobs(net, t["input_ids"], t["attn"], t["mask"])         # [B, T], 0 where unselected
 
-PolicyNet runs the model's body (hidden states [B, T, H]), keeps the positions whose next token is
-wanted (the loss mask: a prompt's logits are never needed), and computes LM head + log_softmax over
-`chunk` of them at a time under torch.utils.checkpoint, so only one [chunk, V] block of logits lives at
-any moment and backward recomputes it: values and gradients are the unchunked ones. It also returns
-each selected position's policy entropy (no gradient). It works on a plain HF causal LM or a PEFT one,
-with or without FSDP (it is the FSDP root: the root's all-gather and gradient reduce bracket it).
-Design notes: DESIGN.md#trainerpy
+The model: one rank loads it whole. Several (FSDP2): no rank ever holds the whole model: built on the
+meta device, sharded (each decoder layer, then the root), then each rank reads only its own shards of
+the safetensors (torch.distributed.checkpoint's HF reader reads slices). bf16: FSDP2's
+MixedPrecisionPolicy (bfloat16 compute, float32 gradient reduce) over float32 master weights; one rank
+autocasts instead. A frozen model (--kl-coef's reference) keeps only bfloat16 then.
+
+The forward: PolicyNet (the FSDP root) runs the model's body (hidden states [B, T, H]), keeps the
+positions whose next token is wanted (the loss mask: a prompt's logits are never needed), and computes LM
+head + log_softmax over `chunk` of them at a time under torch.utils.checkpoint, so only one [chunk, V]
+block of logits lives at any moment and backward recomputes it: values and gradients are the unchunked
+ones. It also returns each selected position's policy entropy (no gradient). It works on a plain HF causal
+LM or a wrapped one (PEFT), with or without FSDP (the root's all-gather and gradient reduce bracket it).
+Design notes: DESIGN.md#the-trainer
 """
 
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from buffer import Sample
+
+
 
 # a micro-batch with nothing to learn (FSDP padding: a short rank still runs every collective)
 EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
@@ -137,3 +147,83 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if entropy is not None:
         entropy.append(ent)
     return torch.zeros(select.shape, dtype=logp.dtype, device=input_ids.device).masked_scatter(select, logp)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model on the trainer ranks
+
+
+def build(model_dir: str, device, group=None, bf16: bool = False, chunk: int = 1024, weights=None,
+          checkpointing: bool = False, frozen: bool = False):
+    """(HF model, PolicyNet over it) on this rank; group: the trainer group when it has several ranks.
+    weights: trainer.Weights, which may wrap the model (ext/lora.py: PEFT's adapter, still to be set) and
+    names its tensors in the model dir. checkpointing: recompute each decoder layer in backward
+    (transformers', non-reentrant). frozen: no gradients, eval."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    device = torch.device(device)
+    dtype = torch.bfloat16 if bf16 and frozen else torch.float32
+    if group is not None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    if weights is not None:
+        model = weights.wrap(model)
+    if frozen:
+        model.requires_grad_(False).eval()
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # one rank in bf16: autocast over float32 weights; under FSDP its mixed-precision policy casts
+    net = PolicyNet(model, chunk, autocast=torch.bfloat16 if bf16 and group is None else None)
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        ranks = torch.tensor(dist.get_process_group_ranks(group))
+        mesh = DeviceMesh.from_group(group, device.type, mesh=ranks)
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+                  else MixedPrecisionPolicy())
+        # (a wrapped model, PEFT's: the decoder layers are the wrapped model's; frozen weights shard alike)
+        for layer in causal_lm(model).model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(net, mesh=mesh, mp_policy=policy)       # the root: embeddings, final norm, head
+        net.to_empty(device=device)                        # this rank's shards, still unset
+        reset_buffers(model, device)
+        read_own_shards(model, model_dir, group, weights)
+    return model, net
+
+
+def reset_buffers(model, device):
+    """After to_empty: the non-persistent buffers (the rotary tables, computed at construction and never
+    in a checkpoint) computed again, by constructing their module again. Any other module with such
+    buffers is refused rather than left holding uninitialised memory."""
+    for m in model.modules():
+        if not m._non_persistent_buffers_set:
+            continue
+        if "RotaryEmbedding" not in type(m).__name__:
+            raise NotImplementedError(f"{type(m).__name__}: non-persistent buffers (a sharded start cannot "
+                                      f"recompute them): {m._non_persistent_buffers_set}")
+        with torch.device(device):
+            fresh = type(m)(config=m.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            getattr(m, name).copy_(buf)
+
+
+def read_own_shards(model, model_dir: str, group, weights=None):
+    """Each rank reads only its own shards of model_dir's safetensors into `model`'s sharded weights
+    (torch.distributed.checkpoint's HF reader reads slices; a checkpoint in bfloat16 is cast into the
+    float32 masters). Names: weights.checkpoint_name maps a wrapped model's back to the checkpoint's (None:
+    not in it, e.g. an adapter's); a tied head is the embedding (one tensor)."""
+    import torch.distributed.checkpoint as dcp
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise ValueError(f"{model_dir}: --train-gpus > 1 reads each rank's shards from *.safetensors, and "
+                         f"this dir has none (re-save it with save_pretrained(..., safe_serialization=True))")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    want = {}
+    for name, t in model.state_dict().items():
+        hf = weights.checkpoint_name(name) if weights is not None else name
+        if hf is not None and not (tied and hf == "lm_head.weight"):
+            want[hf] = t
+    dcp.load(want, storage_reader=dcp.HuggingFaceStorageReader(model_dir), process_group=group)
+
+

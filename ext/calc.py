@@ -1,16 +1,21 @@
-"""sandbox.py: run one snippet of model-written Python in a separate, limited process (a tool env's backend).
+"""ext/calc.py: the tool environment (--env calc) and the sandbox its tool runs in.
 
-    from sandbox import SandboxLimits, run_python, arun_python, mechanism
+    --env calc      the default task, but the model's first turn may be calc(EXPR): EXPR, written by the model,
+                    runs in the sandbox and its value comes back as the next observation; the next turn answers
+    from ext.calc import SandboxLimits, run_python, arun_python, mechanism
     run_python("(17 + 25) * 3", mode="eval")      # SandboxResult(ok=True, output='126', kind='ok', ...)
     await arun_python("print(sum(range(10)))", SandboxLimits(wall_s=2))   # output '45\n'
     mechanism()                                   # "netns" here, else "socket-refusal"
 
-kind: "ok", "error" (the code raised; error is its traceback), "timeout" (wall clock), "killed" (a signal,
-e.g. the CPU limit's SIGKILL) or "refused" (a blocked import, socket, fork, kill, or path).
+--env calc's embedded model (CALC, CALC_DIR): the tiny model with a longer warm start in which half the
+problems call the calculator and copy its value (tiny_model.py builds it; Extension.embedded_model), so RL
+can raise the tool's use from there; its replies get 16 tokens (a calc(123+456) call is 13 and an <eos>).
 
-Layers (details: DESIGN.md#sandboxpy): stage 1 (python -I -S) enters new user+net+pid namespaces
-where the kernel allows it, sets the rlimits and execs stage 2, a fresh python -I -S whose audit hook
-refuses sockets, ctypes, fork/exec, and files outside its temp dir; at wall_s the namespace is killed.
+The sandbox. kind: "ok", "error" (the code raised; error is its traceback), "timeout" (wall clock),
+"killed" (a signal, e.g. the CPU limit's SIGKILL) or "refused" (a blocked import, socket, fork, kill, or
+path). Layers: stage 1 (python -I -S) enters new user+net+pid namespaces where the kernel allows it, sets
+the rlimits and execs stage 2, a fresh python -I -S whose audit hook refuses sockets, ctypes, fork/exec,
+and files outside its temp dir; at wall_s the namespace is killed.
 
 This is defence in depth, NOT a security boundary. Audit hooks are documented as unfit for sandboxing: a
 determined attacker can patch the stdlib functions the hook calls, or open files relative to a dir fd.
@@ -19,6 +24,7 @@ namespace), and what the hook does not see (os.stat, for one) still reaches the 
 code at scale needs more around this: a container or a gVisor/Firecracker VM, a non-root user, cgroup
 memory and pids limits, a read-only root filesystem, no network.
 """
+
 
 import asyncio
 import json
@@ -35,6 +41,14 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass, fields
 from functools import cache
+from pathlib import Path
+import dataclasses
+import re
+
+import tiny_model
+from config import Extension, extension
+from rollout import ENVS, score
+from task import Problem
 
 CODE_FILE = ".sandbox_code"  # stage 2 reads and deletes it, so the working dir the code sees starts empty
 REFUSED_EXIT = 3  # stage 2's exit status when a Refused escaped the code
@@ -315,3 +329,72 @@ async def arun_python(code: str, limits: SandboxLimits = SandboxLimits(),
         for fd in run.open:
             loop.remove_reader(fd)
         run.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the tool env
+
+
+CALL = re.compile(r"\s*calc\((.*)\)\s*", re.DOTALL)   # a tool call: the whole action is calc(EXPR)
+
+
+def calc_observation(value: str | None) -> str:
+    """What the model sees after a call: the value, then a cue to answer ("answer:"; a bare "=VALUE" would
+    read as the default task's finished answer, after which the warm-started model stops)."""
+    return f" ={value} answer:" if value is not None else " error, answer:"
+
+
+class CalcEnv:
+    """The problem's prompt; the model answers, or first writes calc(EXPR): EXPR (model-written Python)
+    runs in the sandbox (below: its own process, no network, limits, a wall-clock kill) and its
+    value comes back as the next observation (calc_observation). The first action that is not a call
+    is the answer, scored by the task's verifier."""
+
+    def __init__(self, problem: Problem, reward_fn=None, max_calls: int = 2, limits=None):
+        self.problem, self.reward_fn, self.max_calls = problem, reward_fn, max_calls
+        self.limits = limits or SandboxLimits()
+        self.calls = 0
+
+    async def reset(self, seed: int) -> str:
+        self.calls = 0
+        return self.problem.prompt
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        call = CALL.fullmatch(action)
+        if call and self.calls < self.max_calls:
+            self.calls += 1
+            res = await arun_python(call.group(1), self.limits, mode="eval")
+            value = res.output.strip()
+            ok = res.ok and re.fullmatch(r"-?\d{1,40}", value) is not None   # text the tiny model can read
+            info = {"tool": res.kind, "tool_s": res.wall_s}
+            return calc_observation(value if ok else None), 0.0, False, info
+        return "", await score(self.problem, action, self.reward_fn), True, {"tool_calls": self.calls}
+
+
+ENVS["calc"] = lambda problem, seed, reward_fn=None: CalcEnv(problem, reward_fn)
+CALC_DIR, CALC = tiny_model.DEFAULT_DIR.with_name("tiny-qwen2-calc"), tiny_model.TinyConfig(tool_frac=0.5,
+                                                                                            sft_steps=2000)
+
+
+def sft_segments(p: Problem) -> list[tuple[str, bool]]:
+    """A warm-start transcript that calls the calculator (CalcEnv's protocol), then copies its value."""
+    return [(p.prompt, False), (f"calc({p.prompt.rstrip('=')})", True), (calc_observation(p.answer), False),
+            (p.answer, True)]
+
+
+def ensure_calc_model(log=print) -> Path:
+    return tiny_model.ensure_tiny_model(CALC_DIR, CALC, log=log, tool=sft_segments)
+
+
+@extension
+class Calc(Extension):
+    """--env calc: the embedded model is the one warm-started to call the calculator, its replies 16 tokens."""
+    name = "calc"
+
+    def embedded_model(self):
+        return ensure_calc_model if self.cfg.controller.env == "calc" else None
+
+    def resolve(self, cfg):
+        if cfg.controller.env == "calc" and not cfg.model and not cfg.rollout.max_tokens:
+            return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_tokens=16))
+        return cfg

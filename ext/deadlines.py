@@ -1,24 +1,28 @@
-"""deadline.py: adaptive timeouts, T = min(max(floor, factor * anchor), ceiling), for env calls and verifiers.
+"""ext/deadlines.py: adaptive timeouts, T = min(max(floor, factor * anchor), ceiling), for env calls and
+verifiers (on by default: --env-timeout-factor 3).
 
     t = AdaptiveTimeout(ceiling_s=30, factor=3, floor_s=5)     # the ceiling until an anchor is known
     t.anchor_s = 0.8; t.current_s                               # -> 5.0 (3 x 0.8 = 2.4, under the floor)
-    env = EnvDeadline.of(rollout_cfg)        # env_manager: anchor = a quantile of recent env call latencies
-    reward = RewardDeadline(10, factor=2, floor_s=1)   # task.RewardPool: anchor = slowest correct answer
+    env = EnvDeadline.of(rollout_cfg, part)  # a rollout rank's env calls: anchor = a quantile of recent latencies
+    reward = RewardDeadline(10, factor=2, floor_s=1)   # ext/verifiers.py: anchor = slowest correct answer
 
 Both owners keep their own statistic and share the clamp (AdaptiveTimeout), so the rule lives once:
-- EnvDeadline (env_manager's env calls, issue 24): the anchor is the --env-timeout-quantile of the last
-  WINDOW calls of a kind (reset or step), after MIN_SAMPLES of them; factor --env-timeout-factor.
-- RewardDeadline (task.RewardPool's verifier calls, RollPacker's reward scheduler): the anchor is the
-  slowest correct answer (reward 1) seen so far, T = min(max(T_min, lambda * T_anchor), T_max) with
-  lambda --reward-timeout-factor, T_min --reward-timeout-min-s, T_max --reward-timeout-s. A correct
-  answer tends to end early; a call that outlives every correct one by lambda is cut and scores 0.
+- EnvDeadline (every env call of a rollout rank, in place of rollout.FixedDeadline: Extension.env_deadline):
+  the anchor is the --env-timeout-quantile of the last WINDOW calls of a kind (reset or step), after
+  MIN_SAMPLES of them; factor --env-timeout-factor; ceiling --env-step-timeout-s.
+- RewardDeadline (ext/verifiers.py's pool, RollPacker's reward scheduler): the anchor is the slowest
+  correct answer (reward 1) seen so far, T = min(max(T_min, lambda * T_anchor), T_max) with lambda
+  --reward-timeout-factor, T_min --reward-timeout-min-s, T_max --reward-timeout-s. A correct answer tends
+  to end early; a call that outlives every correct one by lambda is cut and scores 0.
 factor 0 turns either off: every call gets the ceiling (the fixed timeout).
-Design notes: DESIGN.md#the-env-deadline-envdeadline and #the-adaptive-reward-timeout
 """
 
 import bisect
 import collections
 import math
+from dataclasses import dataclass
+
+from config import Extension, extension, opt
 
 # Completed calls of a kind an EnvDeadline needs before it adapts; until then every call of that
 # kind gets the ceiling. The 0.99-quantile of fewer than 100 calls is just their max, and the first
@@ -82,10 +86,11 @@ class EnvDeadline:
         self.ranked = {k: [] for k in self.KINDS}     # the same latencies, sorted (for the quantile)
 
     @classmethod
-    def of(cls, cfg) -> "EnvDeadline":
-        """From a RolloutConfig's env_* flags (and its verifier's ceiling, for the steps' floor)."""
-        return cls(cfg.env_step_timeout_s, cfg.env_timeout_quantile, cfg.env_timeout_factor,
-                   cfg.env_timeout_floor_s, cfg.reward_timeout_s)
+    def of(cls, rollout, part: "DeadlineConfig", reward_s: float = 0.0) -> "EnvDeadline":
+        """From a RolloutConfig's --env-step-timeout-s (the ceiling), this file's flags, and the verifier's
+        timeout (reward_s, for the steps' floor)."""
+        return cls(rollout.env_step_timeout_s, part.env_timeout_quantile, part.env_timeout_factor,
+                   part.env_timeout_floor_s, reward_s)
 
     @property
     def current_s(self) -> dict[str, float]:
@@ -106,3 +111,37 @@ class EnvDeadline:
         if len(xs) >= MIN_SAMPLES:
             # nearest-rank quantile
             self.timeouts[kind].anchor_s = ranked[max(0, math.ceil(self.quantile * len(xs)) - 1)]
+
+
+@dataclass
+class DeadlineConfig:
+    # the adaptive env deadline (EnvDeadline): clamp(quantile(recent latencies) * factor, floor, ceiling)
+    env_timeout_quantile: float = opt(0.99, "adaptive env deadline: this quantile of the recent env calls' "
+                                            "latencies, times --env-timeout-factor")
+    env_timeout_factor: float = opt(3.0, "adaptive env deadline: the recent latency quantile times this, "
+                                         "within [--env-timeout-floor-s, --env-step-timeout-s]; 0 = off: "
+                                         "every env call gets --env-step-timeout-s")
+    # 5 s: with 1 s, a 40-step --env calc run on 2 busy cores timed out 104 env calls (then retried)
+    env_timeout_floor_s: float = opt(5.0, "adaptive env deadline: never under this, seconds")
+
+    def __post_init__(self):
+        if not 0 < self.env_timeout_quantile <= 1:
+            raise ValueError(f"--env-timeout-quantile must be in (0, 1], got {self.env_timeout_quantile}")
+        if self.env_timeout_factor < 0:
+            raise ValueError(f"--env-timeout-factor must be >= 0 (0 = a fixed --env-step-timeout-s), got "
+                             f"{self.env_timeout_factor}")
+        if self.env_timeout_floor_s <= 0:
+            raise ValueError(f"--env-timeout-floor-s must be > 0, got {self.env_timeout_floor_s}")
+
+
+@extension
+class Deadlines(Extension):
+    name, Config = "deadlines", DeadlineConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return part.env_timeout_factor > 0
+
+    def env_deadline(self):
+        reward_s = getattr(self.cfg.ext.get("verifiers"), "reward_timeout_s", 0.0)
+        return EnvDeadline.of(self.cfg.rollout, self.part, reward_s)

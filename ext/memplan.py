@@ -1,5 +1,6 @@
-"""memplan.py: how much memory each trainer rank and each engine will need, from the model's HF config
-and the run's flags, before anything starts (train.py prints it at start-up and with --dry-run).
+"""ext/memplan.py: how much memory each trainer rank and each engine will need, from the model's HF config
+and the run's flags, before anything starts (rank 0 prints it at start-up; --dry-run prints it and exits
+before any process group or engine starts, no torchrun needed).
 
     counts = param_counts(hf_config)                  # built on the meta device: nothing is allocated
     plan = make_plan(hf_config, cfg, gpu=True)        # cfg: train.py's Config (its train / rollout parts)
@@ -14,10 +15,13 @@ reference model (a 1/W shard, bfloat16 under --precision bf16); under --colocate
 engine's dtype and the KV cache (--kv-cache-gib on CPU; on GPU --gpu-memory-utilization of the GPU, less
 the weights). Activation bytes per token per layer are counted from what a Qwen2/Llama decoder layer keeps
 for backward (act_bytes); checked against measured peaks by tools/bench_trainer.py memplan.
-Design notes: DESIGN.md#trainerpy
 """
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from config import Extension, extension, opt
 
 GiB = 1 << 30
 ASSUMED_GPU_GIB = 80.0        # a GPU's memory when none is here to ask (H100 / A100 80 GB)
@@ -122,7 +126,7 @@ def colocated_headroom(trainer: dict, bucket_bytes: int) -> float:
     steps), the weights FSDP gathered, a sync's (the plan's "weight sync": the ipc buffers at the largest
     bucket and the weight in hand; a plan without it: weight_ipc.BUFFERS buckets of bucket_bytes), and a
     margin. Activations are not in it: the engine sleeps while the trainer trains."""
-    from weight_ipc import BUFFERS
+    from ext.colocate import BUFFERS
     kept = ("gradients", "AdamW moments", "gathered weights")
     return (sum(trainer.get(k, 0.0) for k in kept) + trainer.get("weight sync", BUFFERS * bucket_bytes)
             + COLOCATE_MARGIN)
@@ -156,16 +160,17 @@ def make_plan(hf_config, cfg, gpu: bool, model: str = "", gpu_gib: float | None 
     context = rc.max_model_len or hf_config.max_position_embeddings
     tokens = tc.max_tokens_per_micro or tc.micro_batch * context
     dtype = rc.dtype if rc.dtype != "auto" else ("bfloat16" if gpu else "float32")
-    lora = cfg.lora.lora_rank > 0
-    counts = param_counts(hf_config, cfg.lora.lora_rank, tuple(cfg.lora.targets))
+    lora_cfg, colocate = cfg.ext["lora"], cfg.ext["colocate"].colocate
+    lora = lora_cfg.lora_rank > 0
+    counts = param_counts(hf_config, lora_cfg.lora_rank, tuple(lora_cfg.targets))
     gpu_gib = gpu_gib or ASSUMED_GPU_GIB
     trainer = trainer_bytes(counts, hf_config, cfg.train_gpus, tc.precision == "bf16", tokens, context,
                             tc.grad_checkpointing == "on", tc.logits_chunk, tc.kl_coef > 0, lora)
-    if getattr(cfg, "colocate", False):      # held while the engine on the same GPU is awake
-        from weight_ipc import BUFFERS
+    if colocate:      # held while the engine on the same GPU is awake
+        from ext.colocate import BUFFERS
         trainer["weight sync"] = sync_bytes(counts, dtype, cfg.bucket_mb << 20, BUFFERS)
     share = rc.gpu_memory_utilization or 0.85
-    if gpu and getattr(cfg, "colocate", False) and not rc.gpu_memory_utilization:   # as train.py picks it
+    if gpu and colocate and not rc.gpu_memory_utilization:   # as ext/colocate.py picks it
         weights = engine_bytes(counts, hf_config, dtype, gpu, 0.0, 0.0, gpu_gib)["weights"]
         free = gpu_gib * GiB - sum(v for k, v in trainer.items() if k in ("weights (fp32 masters)",
                                                                            "reference model"))
@@ -191,7 +196,7 @@ def format_plan(p: Plan) -> str:
     kv_tokens = p.engine["KV cache"] / n["kv_per_token"]
     parts = " + ".join(f"{k} {_size(v)}" for k, v in p.trainer.items())
     return "\n".join([
-        f"memory plan (memplan.py, {where}): {p.model or 'model'} {p.counts['total'] / 1e6:,.1f}M params"
+        f"memory plan (ext/memplan.py, {where}): {p.model or 'model'} {p.counts['total'] / 1e6:,.1f}M params"
         + (f" (LoRA adapter {p.counts['adapter'] / 1e6:,.2f}M)" if n["lora"] else ""),
         f"  per trainer rank ({n['ranks']}, {n['precision']}, checkpointing {n['checkpointing']}, "
         f"{n['tokens']:,} tokens a micro-batch): {_size(sum(p.trainer.values()))} =",
@@ -199,3 +204,51 @@ def format_plan(p: Plan) -> str:
         f"  per engine ({n['engines']}, {n['dtype']}): {_size(sum(p.engine.values()))} = weights "
         f"{_size(p.engine['weights'])} + KV cache {_size(p.engine['KV cache'])}",
         f"    (KV: {kv_tokens:,.0f} tokens, {kv_tokens / n['context']:,.1f} sequences of {n['context']:,})"])
+
+
+def memory_plan(cfg, model_dir: str, gpu: bool) -> str:
+    """The plan for this model (model_dir's config; none: the embedded one's) and layout."""
+    import torch
+    from transformers import AutoConfig
+
+    import tiny_model
+    hf = AutoConfig.from_pretrained(model_dir) if model_dir else tiny_model.hf_config(tiny_model.TinyConfig())
+    gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+           if gpu and torch.cuda.is_available() else None)
+    name = Path(model_dir).name or "the embedded model"
+    return format_plan(make_plan(hf, cfg, gpu, name, gib))
+
+
+@dataclass
+class MemplanConfig:
+    dry_run: str = opt("", "print the memory plan (ext/memplan.py) for --model and the layout given, then exit "
+                           "before any process group or engine starts (no torchrun needed): gpu | cpu | auto "
+                           "(--dry-run alone: this machine's)", const="auto")
+
+    def __post_init__(self):
+        if self.dry_run not in ("", "gpu", "cpu", "auto"):
+            raise ValueError(f"--dry-run must be gpu, cpu or auto (alone: auto), got {self.dry_run!r}")
+
+
+@extension
+class MemoryPlan(Extension):
+    name, Config = "memplan", MemplanConfig
+    order = -1          # --dry-run answers before any other extension's launch checks
+
+    def before_launch(self):
+        """--dry-run: the memory plan, then nothing else."""
+        if not self.part.dry_run:
+            return
+        import torch
+        model = self.cfg.model
+        if model and not (Path(model) / "config.json").exists():
+            sys.exit(f"train.py: --model {model}: no config.json (a Hugging Face model dir)")
+        gpu = self.part.dry_run == "gpu" or (self.part.dry_run == "auto" and torch.cuda.is_available())
+        try:
+            print(memory_plan(self.cfg, model, gpu))
+        except ValueError as e:                 # (--colocate: no room left for the engine)
+            sys.exit(f"train.py: {e}")
+        sys.exit(0)
+
+    def startup_lines(self, model_dir: str, device: str):
+        return memory_plan(self.cfg, model_dir, device.startswith("cuda"))

@@ -1,33 +1,43 @@
-"""weight_ipc.py: the weights handed over, not sent: trainer rank i -> engine i as IPC handles of buckets.
+"""ext/colocate.py: the synchronous baseline on shared GPUs (--colocate) and the weights handed over, not
+sent (--weight-transport ipc, --colocate's: trainer rank i -> engine i as IPC handles of buckets).
 
+    torchrun --nproc-per-node 8 train.py --rollout-gpus 4 --train-gpus 4 --colocate --async-ratio 0
     sender = IpcSender(host, port, store=store, engine=i, device=device)   # trainer rank i (ipc transport)
     sender.send(sender.spec().with_gen(gen, seq), trainer.iter_full_state(), meta)
     IpcReceiver(store, spec, i, meta, device, slots, who).stream()   # engine i's worker, meanwhile
 
-No process group: trainer rank i fills a few flat buckets (BUFFERS, reused) in the engine's dtype on
-its own device and posts each bucket's slot on the run's TCPStore; the first post of a slot in a sync
-carries its handle (torch.multiprocessing's reduce_tensor: CUDA IPC on a GPU; on CPU a shared-memory
-file of the file_system strategy, which an unrelated process can open: the CPU twin is the same code).
-Engine i's worker rebuilds the slot, copies the bucket into memory of its own (vLLM's layer-wise
-reload keeps the tensors it gets until their layer is complete), acks, and loads it while the
-trainer fills the next one; a slot is refilled once its last bucket is acked.
-Waits: each one blocks on one key, bounded by the spec's timeout, and names the rank, the bucket
-and the phase. A side that fails posts its error in every key the other may be waiting on (the
-rollout rank does it for an engine that died), so a failure ends the sync at once on both sides.
-Clean-up: CUDA memory goes with its process. The shared-memory files are reference counted by
-torch: unlinked when the last process that maps one closes it, and torch_shm_manager unlinks those
-of processes that were killed (checked: tests/test_weight_ipc.py).
-Design notes: DESIGN.md#weight_ipcpy
+--colocate: rollout rank i runs on trainer rank i's GPU; before each batch trains the engines sleep
+(vLLM's sleep mode frees their memory: Extension.before_train), and the next sync wakes them; each engine
+takes what is free at its start less what its trainer rank adds while the engine is awake
+(ext/memplan.py's colocated_headroom). NCCL refuses a group holding two ranks of one GPU, so colocated
+weights go by CUDA IPC.
+
+The ipc transport (weight_sync.TRANSPORTS["ipc"]): no process group. Trainer rank i fills a few flat
+buckets (BUFFERS, reused) in the engine's dtype on its own device and posts each bucket's slot on the
+run's TCPStore; the first post of a slot in a sync carries its handle (torch.multiprocessing's
+reduce_tensor: CUDA IPC on a GPU; on CPU a shared-memory file of the file_system strategy, which an
+unrelated process can open: the CPU twin is the same code). Engine i's worker rebuilds the slot, copies
+the bucket into memory of its own (vLLM's layer-wise reload keeps the tensors it gets until their layer
+is complete), acks, and loads it while the trainer fills the next one; a slot is refilled once its last
+bucket is acked. Waits: each one blocks on one key, bounded by the spec's timeout, and names the rank,
+the bucket and the phase. A side that fails posts its error in every key the other may be waiting on
+(the rollout rank does it for an engine that died), so a failure ends the sync at once on both sides.
+Clean-up: CUDA memory goes with its process. The shared-memory files are reference counted by torch:
+unlinked when the last process that maps one closes it, and torch_shm_manager unlinks those of processes
+that were killed (checked: tests/test_weight_ipc.py).
 """
 
 import contextlib
+import dataclasses
 import pickle
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from weight_sync import GroupSpec, Meta, meta_bytes, pack, plan_buckets
+from config import Extension, extension, opt
+from weight_sync import TRANSPORTS, GroupSpec, Meta, meta_bytes, pack, plan_buckets
 
 BUFFERS = 2               # bucket buffers per sender: one filled while the worker copies the other
 
@@ -135,7 +145,8 @@ class IpcSender:
                              timeout=timedelta(seconds=timeout_s))
             port = store.port
         self.store, self.engine, self.device = store, engine, torch.device(device)
-        self.spec0 = GroupSpec(host, port, prefix, 0, 2, 1, "none", timeout_s, bucket_bytes, transport="ipc")
+        self.spec0 = GroupSpec(host, port, prefix, 0, 2, 1, "none", timeout_s, bucket_bytes, transport="ipc",
+                               receiver="ext.colocate:receive")
         self.who = f"trainer rank {engine if rank is None else rank}"
         self.bufs: list[torch.Tensor] = []
 
@@ -227,3 +238,126 @@ class IpcReceiver:
     def fail(self, reason: str):
         """Wake the sender, waiting for an ack, with `reason`."""
         post_failure(self.store, [f"ack{k}" for k in range(self.acked, len(self.plan))], reason)
+
+
+def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
+    """The worker side (GroupSpec.receiver): engine `engine`'s buckets, handed over by trainer rank `engine`
+    through the run's store, loaded as they arrive (weight_sync.WeightSyncWorker.load)."""
+    t0 = time.monotonic()
+    engine = (first_rank - 1) // spec.workers_per_engine
+    who = f"engine {engine}'s worker (weight-sync ipc, gen {spec.gen}, sync {spec.seq})"
+    if getattr(worker, "rank", 0) != 0:
+        raise RuntimeError(f"{who}: the ipc transport hands each engine's buckets to one worker; "
+                           f"this engine has more (worker {worker.rank})")
+    if getattr(worker, "_ipc_at", None) != (spec.host, spec.port):
+        worker._ipc_store, worker._ipc_at = connect(spec), (spec.host, spec.port)
+        worker._ipc_slots = {}
+    rx = IpcReceiver(worker._ipc_store, spec, engine, meta, worker.model_runner.device, worker._ipc_slots, who)
+    try:
+        worker.load(rx.stream(), load)
+    except BaseException as e:
+        if not isinstance(e, PeerFailed):
+            rx.fail(f"{who}: {e}")
+        raise
+    return {"tensors": len(meta), "wait_s": rx.waited, "total_s": time.monotonic() - t0}
+
+
+class IpcTransport:
+    """--weight-transport ipc: trainer rank i hands engine i its buckets (every trainer rank sends)."""
+    every_rank = True
+    engines_after_trainers = True   # an engine starts once its trainer rank holds its model (--colocate's share)
+
+    def layout_errors(self, places: list, train: int, cuda: bool, name, where) -> list[str]:
+        """Trainer rank i and rollout rank i on one GPU (CUDA IPC), on CPU one node (shared memory)."""
+        return [f"the ipc transport pairs {name(i)} ({where(i)}) with {name(j)} ({where(j)}): "
+                + ("CUDA IPC needs both on one GPU (--colocate)" if cuda else "shared memory needs both on one node")
+                for i, j in zip(range(train), range(train, len(places)))
+                if (places[i] if cuda else places[i][0]) != (places[j] if cuda else places[j][0])]
+
+    def configure(self, cfg):
+        if cfg.rollout_gpus != cfg.train_gpus:
+            raise ValueError(f"--weight-transport ipc: trainer rank i hands engine i its weights, so it "
+                             f"needs --rollout-gpus == --train-gpus (got {cfg.rollout_gpus} and {cfg.train_gpus})")
+
+    def sender(self, rank: int, backend: str, **where):
+        return IpcSender(**where, engine=rank, rank=rank)
+
+    def receive_failed(self, spec: GroupSpec, first_rank: int, meta: Meta, error: BaseException):
+        """The engine's receive ended otherwise than by its worker's answer (it died): tell the trainer rank
+        waiting for its acks at once, not at its timeout."""
+        engine = (first_rank - 1) // spec.workers_per_engine
+        tell_sender(spec, engine, meta, f"engine {engine}: its receive ended: {error!r}")
+
+
+TRANSPORTS["ipc"] = IpcTransport()
+
+
+# ---------------------------------------------------------------------------------------------
+# --colocate
+
+
+@dataclass
+class ColocateConfig:
+    colocate: bool = opt(False, "GPU: the synchronous baseline on shared GPUs: rollout rank i on trainer "
+                                "rank i's GPU; engines sleep (free their memory) while the trainer trains; "
+                                "needs --async-ratio 0 and --rollout-gpus == --train-gpus")
+
+
+def engine_memory_share(cfg, model_dir: str, who: str) -> float:
+    """The engine's --gpu-memory-utilization under --colocate: what is free now (the trainer rank on this GPU
+    holds its model) less what that rank adds while the engine is awake (ext/memplan.colocated_headroom),
+    as a share of the GPU."""
+    from transformers import AutoConfig
+
+    from ext import memplan
+    free, total = torch.cuda.mem_get_info()
+    fixed = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.85))
+    plan = memplan.make_plan(AutoConfig.from_pretrained(model_dir), fixed, gpu=True, gpu_gib=total / 2**30)
+    try:
+        headroom = memplan.colocated_headroom(plan.trainer, cfg.bucket_mb << 20)
+        share = memplan.colocated_share(total, free, headroom, plan.engine["weights"])
+    except ValueError as e:
+        raise SystemExit(f"train.py: {who}: {e}") from None
+    print(f"{who}: --colocate: the engine takes {share:.3f} of the GPU ({free / 2**30:.1f} of "
+          f"{total / 2**30:.1f} GiB free at its start)", flush=True)
+    return share
+
+
+@extension
+class Colocate(Extension):
+    name, Config = "colocate", ColocateConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return part.colocate
+
+    @classmethod
+    def configure(cls, cfg, part):
+        if not part.colocate:
+            return
+        if cfg.controller.async_ratio != 0 or cfg.rollout_gpus != cfg.train_gpus:
+            raise ValueError("--colocate: the same GPUs generate then train, so it needs --async-ratio 0 and "
+                             "--rollout-gpus == --train-gpus")
+        if cfg.weight_transport == "group":
+            raise ValueError("--colocate --weight-transport group: NCCL refuses a group holding two ranks of "
+                             "one GPU; colocated weights go by CUDA IPC (--weight-transport ipc or auto)")
+        if cfg.weight_transport == "auto":
+            cfg.weight_transport = "ipc"
+
+    def before_launch(self):
+        if not torch.cuda.is_available():
+            raise SystemExit("train.py: --colocate needs GPUs: vLLM's sleep mode, which frees an engine's memory "
+                             "while the trainer trains on the same GPU, is CUDA-only")
+
+    def engine_args(self, model_dir: str, device: str, who: str):
+        args = {"enable_sleep_mode": True}
+        if not self.cfg.rollout.gpu_memory_utilization:
+            args["gpu_memory_utilization"] = engine_memory_share(self.cfg, model_dir, who)
+        return args
+
+    async def before_train(self, ctrl):
+        await ctrl.sleep_engines()                 # their GPUs' memory, for training
+
+    def after_train(self, trainer):
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()               # the engine on this GPU wakes for the sync next

@@ -1,0 +1,52 @@
+"""ext/longtail.py: a long-tail length workload for real engines (--response-len-median, benchmarks): each
+training prompt asks for exactly lognormal(median, --response-len-sigma) response tokens (Problem.target_len,
+EOS ignored), drawn once per prompt, so a deferred prompt (tail batching) keeps its length. The answer is
+scored up to its first EOS; the tokens after it are generated and trained through, out of the loss
+(rollout.rollout_once).
+"""
+
+import functools
+import math
+import random
+from dataclasses import dataclass, replace
+
+from config import Extension, extension, opt
+
+
+@dataclass
+class LongTailConfig:
+    response_len_median: float = opt(0.0, "a long-tail length workload (benchmarks): each training prompt "
+                                          "asks for exactly lognormal(this, --response-len-sigma) response "
+                                          "tokens, drawn once per prompt (EOS ignored: the answer is scored "
+                                          "up to its first EOS, the tokens after it are generated and "
+                                          "trained through but out of the loss); 0 = off")
+    response_len_sigma: float = opt(1.0, "--response-len-median's lognormal sigma")
+
+    def __post_init__(self):
+        if self.response_len_median < 0 or self.response_len_sigma < 0:
+            raise ValueError(f"--response-len-median and --response-len-sigma must be >= 0, got "
+                             f"{self.response_len_median}, {self.response_len_sigma}")
+
+    def response_len(self, rng: random.Random) -> int:
+        return max(1, round(rng.lognormvariate(math.log(self.response_len_median), self.response_len_sigma)))
+
+    def with_lengths(self, problems, make, seed: int):
+        """(problems, make) with a drawn length each: the dataset's rows once, generated ones as made."""
+        rng = random.Random(seed + 7)
+        problems = problems and [replace(p, target_len=self.response_len(rng)) for p in problems]
+        return problems, functools.partial(self._with_length, make)
+
+    def _with_length(self, make, rng: random.Random):
+        return replace(make(rng), target_len=self.response_len(rng))
+
+
+@extension
+class LongTail(Extension):
+    name, Config = "longtail", LongTailConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return part.response_len_median > 0
+
+    def problem_source(self, source, seed: int):
+        return self.part.with_lengths(*source, seed)
