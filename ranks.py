@@ -225,6 +225,14 @@ def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
     return ids[local_rank % len(ids)]
 
 
+def pin_engine_gpu(device: str):
+    """GPU: this rollout rank's engine processes see only its GPU (CUDA_VISIBLE_DEVICES, engine_gpu)."""
+    if device.startswith("cuda"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
+                                                        os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                        torch.cuda.device_count())
+
+
 def rank_places(world: int, local_world: int, visible: str | None, count: int) -> list[tuple[int, str]]:
     """(node, GPU) of every global rank from torchrun's environment alone: rank r is local rank
     r % local_world on node r // local_world (torchrun starts as many ranks on every node) and takes

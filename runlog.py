@@ -142,6 +142,13 @@ class RunLog:
                 + "".join(f" | {x}" for x in self._hooks("step_line", r))
                 + f" | eta {fmt_s(self.eta(r['step']))}")
 
+    def write_stats(self, counters: dict, ranks_stats: list[dict]):
+        """rollout_stats.json: the controller's counters and every rollout rank's (at stop)."""
+        stats = {"controller": counters, "rollout_ranks": [
+            {**{k: v for k, v in r.items() if k != "proxy"}, "engine_in_flight": r["proxy"]["in_flight"]}
+            for r in ranks_stats]}
+        (self.out / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
+
     def finish(self, extra: str = ""):
         """End of the run: the extensions finish and close, the summary."""
         self._hooks("on_finish")
@@ -196,6 +203,23 @@ def probe_verdict(diff: float, cfg) -> str:
     tol = PROBE_TOLERANCE[kind]
     return (f"probe diff {diff:.1e} (within {kind}'s {tol:g})" if diff <= tol else
             f"probe diff {diff:.1e} ABOVE {kind}'s {tol:g}: do the engines hold the trainer's weights?")
+
+
+def start_line(cfg, world: int, model_dir: str, device: str, state) -> str:
+    """The run's first line: its ranks, model, context, dtype, ratio, loss, device, weights."""
+    rc = cfg.rollout
+    return (f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model {model_dir} "
+            f"(context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a turn), async ratio "
+            f"{cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, weights: {cfg.weight_transport}"
+            + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
+
+
+def start_metrics(out_dir: str, state):
+    """A fresh run: no metrics.jsonl yet; a resumed one: the rows past its checkpoint go (trim_metrics)."""
+    if state:
+        trim_metrics(out_dir, state["step"])
+    else:
+        (Path(out_dir) / "metrics.jsonl").unlink(missing_ok=True)
 
 
 def trim_metrics(out_dir: str, step: int):

@@ -130,10 +130,26 @@ class DataConfig:
     answer_key: str = opt("", "--data: the answer's field (default: the first of "
                               + ", ".join(ANSWER_KEYS) + ")")
 
-    def sources(self) -> tuple[list[Problem] | None, object]:
-        """(the dataset's problems, or None; make(rng) -> Problem for generated ones). Extensions may
-        change either (Extension.problem_source: --task, the held-out split, lengths)."""
-        return (load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None), make_problem
+    def check(self):
+        """Before anything starts: --data reads (a bad row is named with its file and line); exits if not."""
+        if self.data:
+            try:
+                load_dataset(self.data, self.prompt_key, self.answer_key)
+            except (OSError, ValueError, ImportError) as e:
+                raise SystemExit(f"train.py: {e}" if str(e).startswith("--data")
+                                 else f"train.py: --data {self.data}: {e}") from None
+
+    def sources(self, seed: int, exts=()) -> tuple:
+        """(training problems from the dataset, or None; make(rng) -> Problem for generated ones; held-out
+        problems): --data, else the default task, then what the run's extensions (config.Extensions) say: a
+        task's own generator (--task), a workload's lengths, a held-out split (--eval-every)."""
+        from config import Extensions
+        exts = Extensions(exts)
+        problems = load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None
+        make = exts.first("problem_maker", seed) or make_problem
+        problems, make = exts.fold("problem_source", (problems, make), seed)
+        problems, held_out = exts.first("held_out", problems, seed) or (problems, [])
+        return problems, make, held_out
 
 
 VERIFIERS = {"add": lambda problem, response: reward_add(response, problem.answer),

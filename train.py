@@ -19,10 +19,8 @@ import asyncio
 import dataclasses
 import functools
 import gc
-import json
 import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,20 +33,17 @@ from config import Extensions, extensions, opt, parse_cli, part
 from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step
 from env_manager import EnvManager, RolloutConfig
 from proxy import LLMProxy, Sampling
-from ranks import PROBE_TEXT, TrainerRanks, collective, engine_gpu, init_distributed
+from ranks import PROBE_TEXT, TrainerRanks, collective, init_distributed, pin_engine_gpu
 from rollout import PromptFormat
-from runlog import RunLog, print0, probe_verdict, quiet, trim_metrics
-from task import DataConfig, Problem, load_dataset
+from runlog import RunLog, print0, probe_verdict, quiet, start_line, start_metrics
+from task import DataConfig, Problem
 from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
 from weight_sync import TRANSPORTS, weight_meta
 
 ext.load()                # every ext/ file registers its flags and hooks
-if __name__ == "__mp_main__":
-    # This file, re-imported in a process that multiprocessing spawned from a rank: vLLM's engine core
-    # (spawned by a rollout rank) and its worker (spawned by the engine core). Such a process must
-    # end with its parent, however the parent ends (SIGKILL included), or it keeps its core busy.
-    die_with_parent(watch=True)
+if __name__ == "__mp_main__":     # this file re-imported in vLLM's engine processes, which a rank spawned:
+    die_with_parent(watch=True)    # they end with it however it ends (SIGKILL too), or keep its core busy
 
 
 @dataclass
@@ -68,11 +63,8 @@ class Config:
                                      "0 = no limit")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
     weight_transport: str = opt("auto", "how the weights reach the engines (weight_sync.TRANSPORTS): group "
-                                        "(trainer rank 0 broadcasts into every engine over one gloo/NCCL "
-                                        "group) | ipc (trainer rank i hands engine i IPC handles of buckets: "
-                                        "CUDA IPC on a GPU, shared memory on CPU; needs --rollout-gpus == "
-                                        "--train-gpus, each pair on one node, on GPUs one GPU: --colocate) | "
-                                        "auto (ipc if --colocate, else group)")
+                                        "(rank 0 broadcasts over one gloo/NCCL group) | ipc (trainer rank i "
+                                        "hands engine i its buckets: ext/colocate.py) | auto (ipc if --colocate)")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N "
                                     "syncs; 0 = never")
@@ -93,8 +85,8 @@ class Config:
                           ("save_every", 0), ("check_sync_every", 0), ("time_limit_min", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
-        if self.weight_transport not in ("auto", *TRANSPORTS):
-            raise ValueError(f"--weight-transport must be auto or one of {', '.join(TRANSPORTS)}, got "
+        if self.weight_transport not in (names := ["auto", *TRANSPORTS]):
+            raise ValueError(f"--weight-transport must be {', '.join(names[:-1])} or {names[-1]}, got "
                              f"{self.weight_transport!r}")
         Extensions.configure(self)             # each extension's flags against the rest (may settle "auto")
         if self.weight_transport == "auto":
@@ -126,11 +118,7 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
         if final:
             break                                                         # (--time-limit-min: early)
     last = await ctrl.finish_sync()                                        # the last sync's acks
-    ranks_stats = await ctrl.stop()
-    stats = {"controller": ctrl.counters(), "rollout_ranks": [
-        {**{k: v for k, v in r.items() if k != "proxy"}, "engine_in_flight": r["proxy"]["in_flight"]}
-        for r in ranks_stats]}
-    (Path(cfg.out_dir) / "rollout_stats.json").write_text(json.dumps(stats, indent=2))
+    log.write_stats(ctrl.counters(), await ctrl.stop())                    # rollout_stats.json
     diff = last.get("sync_probe_max_diff")
     log.finish(f"last sync (version {last['synced_version']}): {probe_verdict(diff, cfg)}"
                if diff is not None else "")
@@ -172,10 +160,7 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
 
     buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus, bind=queue_bind()),
                           "trainer rank 0", timeout)
-    problems, make = cfg.data.sources()
-    make = exts.first("problem_maker", cfg.train.seed) or make                   # (--task)
-    problems, make = exts.fold("problem_source", (problems, make), cfg.train.seed)   # (lengths)
-    problems, _ = exts.first("held_out", problems, cfg.train.seed) or (problems, [])   # (--eval-every)
+    problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
     ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus,
@@ -214,11 +199,7 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
         collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     probe = tokenizer.encode(PROBE_TEXT)
-    if device.startswith("cuda"):     # GPU: the engine's processes see only this rank's GPU
-        import torch
-        os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(os.environ.get("LOCAL_RANK", 0)),
-                                                        os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                        torch.cuda.device_count())
+    pin_engine_gpu(device)            # GPU: the engine's processes see only this rank's GPU
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
                   gpu_memory_utilization=rc.gpu_memory_utilization or 0.85, use_tqdm_on_load=cfg.verbose,
@@ -277,11 +258,7 @@ def main():
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
     if cfg.model and not state:       # (a resumed run loads its own checkpoint)
         check_model_dir(cfg.model)
-    if cfg.data.data:
-        try:
-            load_dataset(cfg.data.data, cfg.data.prompt_key, cfg.data.answer_key)
-        except (OSError, ValueError, ImportError) as e:
-            sys.exit(f"train.py: {e}" if str(e).startswith("--data") else f"train.py: --data {cfg.data.data}: {e}")
+    cfg.data.check()                  # (a bad row: its file and line)
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
@@ -302,17 +279,9 @@ def main():
         cfg = exts.resolve(cfg)                                                 # (--env calc's replies, ...)
         cfg = exts.update(dataclasses.replace(cfg, rollout=cfg.rollout.resolved(model_dir, device, not cfg.model),
                                               train=cfg.train.resolved(device)))   # context, dtype, precision
-        rc = cfg.rollout
         if rank == 0:
-            if state:
-                trim_metrics(cfg.out_dir, state["step"])
-            else:
-                (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
-            print0(f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, "
-                   f"model {model_dir} (context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a "
-                   f"turn), async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, "
-                   f"weights: {cfg.weight_transport}"
-                   + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
+            start_metrics(cfg.out_dir, state)          # (a resume: the rows past its checkpoint go)
+            print0(start_line(cfg, world, model_dir, device, state))
             for lines in exts.call("startup_lines", model_dir, device):        # (the memory plan)
                 print0(lines)
         # the queue server's address and key, shared through the default group

@@ -245,6 +245,25 @@ class LoraWeights(Weights):
         return model.disable_adapter()
 
 
+def lora_weights(cfg: LoraConfig, adapter_dir: str = "") -> LoraWeights | None:
+    """The trainer's Weights for these flags: an adapter's, or None (rank 0: the whole model)."""
+    return LoraWeights(cfg, adapter_dir) if cfg.lora_rank else None
+
+
+def engine_kwargs(cfg: LoraConfig) -> dict:
+    """AsyncEngineArgs' keywords for an engine that serves one adapter of this rank (serve_adapter sets it)."""
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_rank(cfg.lora_rank)}
+
+
+def serve_adapter(engine, cfg: LoraConfig, base_dir: str, adapter_dir: str = ""):
+    """Every request names the adapter: the one in adapter_dir (a resume), loaded at the first request;
+    without one, none (the base model) until the first weight sync loads one into every worker."""
+    engine.load = ("ext.lora:load_into_engine", cfg.adapter_config(base_dir))
+    if adapter_dir:
+        engine.request_kwargs["lora_request"] = request(adapter_dir)
+    engine.after_receive.append(lambda: engine.request_kwargs.setdefault("lora_request", request("(weight sync)")))
+
+
 def request(path: str):
     """vLLM's LoRARequest of the engine's adapter (a path even for one its workers hold: where it came from)."""
     from vllm.lora.request import LoRARequest
@@ -276,23 +295,14 @@ class Lora(Extension):
         return base_dir
 
     def trainer_weights(self):
-        return LoraWeights(self.part, self.adapter_dir) if self.part.lora_rank else None
+        return lora_weights(self.part, self.adapter_dir)
 
     def engine_args(self, model_dir: str, device: str, who: str):
-        if self.part.lora_rank:
-            return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_rank(self.part.lora_rank)}
-        return None
+        return engine_kwargs(self.part) if self.part.lora_rank else None
 
     def on_engine(self, engine):
-        """Every request names the adapter: the one in adapter_dir (a resume), loaded at the first request;
-        without one, none (the base model) until the first weight sync loads one into every worker."""
-        if not self.part.lora_rank:
-            return
-        engine.load = ("ext.lora:load_into_engine", self.part.adapter_config(self.base_dir))
-        if self.adapter_dir:
-            engine.request_kwargs["lora_request"] = request(self.adapter_dir)
-        engine.after_receive.append(lambda: engine.request_kwargs.setdefault("lora_request",
-                                                                             request("(weight sync)")))
+        if self.part.lora_rank:
+            serve_adapter(engine, self.part, self.base_dir, self.adapter_dir)
 
 
 if __name__ == "__main__":

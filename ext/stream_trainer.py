@@ -204,33 +204,34 @@ OPS.update(stream_begin=_begin, stream_micro=_micro, stream_step=_step)
 
 class RanksStream:
     """TrainStream's backend over the trainer ranks, from a worker thread (rank 0's event loop goes on
-    collecting meanwhile): begin, a forward/backward per micro-batch the arrivals fill, the step."""
+    collecting meanwhile): begin, a forward/backward per micro-batch the arrivals fill, the step (each also
+    callable as it is, *_now, from the thread that drives the ranks)."""
 
     def __init__(self, ranks: TrainerRanks, probe_due):
         self.ranks, self.probe_due = ranks, probe_due
 
-    def _begin(self, version: int):
+    def begin_now(self, version: int):
         cfg = self.ranks.trainer.cfg
         self.dealer = Dealer(self.ranks.num_ranks, cfg.micro_batch, cfg.max_tokens_per_micro)
         self.ranks.run({"op": "stream_begin", "version": version})
 
-    def _add(self, samples, advantages):
+    def add_now(self, samples, advantages):
         for parts in self.dealer.add(samples, advantages):
             self.ranks.run({"op": "stream_micro", "parts": parts})
 
-    def _step(self, probe: bool):
+    def step_now(self, probe: bool):
         for parts in self.dealer.flush():
             self.ranks.run({"op": "stream_micro", "parts": parts})
         return self.ranks.run({"op": "stream_step", "probe": probe})
 
     async def begin(self, version: int):
-        await asyncio.to_thread(self._begin, version)
+        await asyncio.to_thread(self.begin_now, version)
 
     async def add(self, samples, advantages):
-        await asyncio.to_thread(self._add, samples, advantages)
+        await asyncio.to_thread(self.add_now, samples, advantages)
 
     async def step(self, version: int):
-        return await asyncio.to_thread(self._step, self.probe_due(version + 1))
+        return await asyncio.to_thread(self.step_now, self.probe_due(version + 1))
 
 
 @dataclass

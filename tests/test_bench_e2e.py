@@ -7,7 +7,7 @@ import asyncio
 from conftest import run_virtual
 from buffer import RolloutTask
 from rollout import RolloutConfig, run_trajectory
-from envs import PromptFormat
+from rollout import PromptFormat
 from proxy import Sampling
 from task import Problem
 from tools.bench_e2e import LockstepProxy

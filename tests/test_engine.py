@@ -12,7 +12,7 @@ import torch
 
 from proxy import LLMProxy, Sampling
 from trainer import token_logprobs
-from weight_ipc import IpcSender
+from ext.colocate import IpcSender
 from weight_sync import Sender, push
 
 pytestmark = pytest.mark.engine
@@ -87,7 +87,7 @@ def test_sampling_temperature_logprobs_are_of_the_distribution_sampled(vllm_prox
     T = 1 on both sides (the engine scores it as prompt logprobs, which vLLM takes from the raw logits)."""
     from buffer import Sample
     from trainer import TrainConfig, Trainer, collate
-    from trainer_ranks import PROBE_TEXT
+    from ranks import PROBE_TEXT
     model, tok = hf
     lt, proxy = vllm_proxy
     prompts = [tok.encode(p) for p in ["12+34=", "7+5=", "305+99=", "1+1="]]

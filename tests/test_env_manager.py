@@ -12,11 +12,16 @@ import pytest
 
 from buffer import (Ack, Cmd, Command, GroupAssembler, LocalQueues, Lost, Phase, RolloutTask, Sample,
                     SampleBuffer)
-from env_manager import MIN_SAMPLES, WINDOW, EnvDeadline, EnvManager, RolloutConfig, env_seed
-from envs import ENVS, ChainEnv, EnvFault, FaultyEnv, GuessEnv, LatencyEnv, SingleTurnEnv
+from env_manager import EnvManager, RolloutConfig, env_seed
+from ext.deadlines import MIN_SAMPLES, WINDOW, DeadlineConfig, EnvDeadline
+from ext.verifiers import RewardPool, VerifierConfig
+from rollout import ENVS, SingleTurnEnv
+from ext.games import ChainEnv, GuessEnv
+from ext.faults import EnvFault, FaultyEnv, LatencyEnv
 from tools.fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy, Status
 from conftest import run_virtual
+from ext.eval import Evaluation
 from task import Problem
 
 STEP = 0.1   # fake decode step, virtual seconds
@@ -37,12 +42,18 @@ def rcfg(**kw) -> RolloutConfig:
     return RolloutConfig(**{"max_tokens": 8, "max_model_len": 120, **kw})
 
 
-def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, async_ratio=1,
-                 **engine_kwargs):
+def adaptive(cfg=None, reward_s: float = VerifierConfig.reward_timeout_s, **kw) -> EnvDeadline:
+    """The env deadline a run's rollout rank has by default (ext/deadlines.py), with DeadlineConfig's kw."""
+    return EnvDeadline.of(cfg or rcfg(), DeadlineConfig(**kw), reward_s)
+
+
+def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, async_ratio=1, deadline=None,
+                 scorer=None, **engine_kwargs):
     engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
     proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
     return EnvManager(proxy, buf, tok, rank, cfg or rcfg(), async_ratio=async_ratio,
-                      env_wrappers=env_wrappers, probe_ids=probe_ids)
+                      env_wrappers=env_wrappers, probe_ids=probe_ids, deadline=deadline or adaptive(cfg),
+                      scorer=scorer)
 
 
 def add_task(task_id, group_id="g", target_len=0, num_samples=1, env="", prompt="1+1=", answer="2"):
@@ -346,7 +357,7 @@ def test_env_deadline_quantile_times_factor_within_floor_and_ceiling():
     for _ in range(2 * MIN_SAMPLES):
         fixed.record("step", 0.1)
     assert fixed.current_s["step"] == 30.0
-    assert EnvDeadline.of(rcfg()).current_s == {"reset": 30.0, "step": 30.0}
+    assert adaptive().current_s == {"reset": 30.0, "step": 30.0}
 
 
 def test_a_step_is_never_cut_before_its_verifier_times_out():
@@ -357,7 +368,7 @@ def test_a_step_is_never_cut_before_its_verifier_times_out():
         d.record("step", 0.1)
         d.record("reset", 0.1)
     assert d.current_s == {"reset": 1.0, "step": 15.0}
-    assert EnvDeadline.of(rcfg(reward_timeout_s=4.0)).floor_s == {"reset": 5.0, "step": 6.0}
+    assert adaptive(reward_s=4.0).floor_s == {"reset": 5.0, "step": 6.0}
 
 
 def test_env_deadline_timeouts_move_it_only_when_more_than_one_minus_q_of_calls_time_out():
@@ -394,8 +405,8 @@ def test_hung_env_is_cut_at_the_adaptive_deadline_not_the_ceiling(tok, factor, c
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(env_timeout_factor=factor, env_timeout_floor_s=1.0,
-                                             reward_timeout_s=0.01),   # (no verifier here)
+        m = make_manager(buf, tok, deadline=adaptive(env_timeout_factor=factor, env_timeout_floor_s=1.0,
+                                                      reward_s=0.01),   # (no verifier here)
                          env_wrappers=wrap,
                          length_sampler=lambda rng: 2)
         before = m.stats()["env_deadline_s"]
@@ -438,8 +449,9 @@ def test_adaptive_deadline_follows_an_env_that_gets_slower(tok):
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=16, max_retries=3, env_timeout_floor_s=1.0,
-                                             reward_timeout_s=0.01),   # (no verifier here)
+        cfg = rcfg(max_concurrency=16, max_retries=3)
+        m = make_manager(buf, tok, cfg=cfg, deadline=adaptive(cfg, env_timeout_floor_s=1.0,
+                                                              reward_s=0.01),   # (no verifier here)
                          length_sampler=lambda rng: 2,
                          env_wrappers=lambda env: Slow(LatencyEnv(env, 0.01, 0.0, rng)))
         run = asyncio.create_task(m.run())
@@ -929,21 +941,22 @@ def test_faulty_env_rates():
 
 
 def test_config_validates():
-    for field, bad in [("max_concurrency", 0), ("reward_workers", -2), ("env_step_timeout_s", 0),
-                       ("max_tokens", -1), ("env_timeout_quantile", 0), ("env_timeout_quantile", 1.5),
-                       ("env_timeout_factor", -1), ("env_timeout_floor_s", 0), ("reward_timeout_factor", -1),
-                       ("reward_timeout_min_s", 0)]:
-        with pytest.raises(ValueError, match=field):
-            RolloutConfig(**{field: bad})
+    for cls, field, bad in [(RolloutConfig, "max_concurrency", 0), (VerifierConfig, "reward_workers", -2),
+                            (RolloutConfig, "env_step_timeout_s", 0), (RolloutConfig, "max_tokens", -1),
+                            (DeadlineConfig, "env_timeout_quantile", 0), (DeadlineConfig, "env_timeout_quantile", 1.5),
+                            (DeadlineConfig, "env_timeout_factor", -1), (DeadlineConfig, "env_timeout_floor_s", 0),
+                            (VerifierConfig, "reward_timeout_factor", -1), (VerifierConfig, "reward_timeout_min_s", 0)]:
+        with pytest.raises(ValueError, match=field.replace("_", "-")):
+            cls(**{field: bad})
     with pytest.raises(ValueError, match=r"--env-timeout-quantile .*must be in \(0, 1\]"):
-        RolloutConfig(env_timeout_quantile=2.0)
+        DeadlineConfig(env_timeout_quantile=2.0)
 
 
 def test_reward_workers_process_pool(tok):
     """reward_workers > 0: the verifier runs in a process pool (real time, tiny fake steps)."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(reward_workers=1), t0=0.001, respond=script(tok, "2"))
+        m = make_manager(buf, tok, scorer=RewardPool(1), t0=0.001, respond=script(tok, "2"))
         await buf.put_tasks([add_task("a", "g", prompt="1+1=", answer="2")])
         await buf.put_tasks([add_task("b", "g", prompt="1+2=", answer="3")])
         run = asyncio.create_task(m.run())
@@ -1214,18 +1227,19 @@ def test_env_deadline_keeps_its_window_sorted_as_it_slides():
 def test_a_sleep_during_evaluation_runs_the_aborted_tasks_again_and_the_round_completes(tok):
     """--colocate --eval-every: SLEEP ends every running task, evaluation's too. Each ended task sends a
     notice, the controller queues that evaluation task again, and the round completes after the wake-up
-    (before, finish_eval waited to its timeout and the final checkpoint was never written)."""
+    (before, the round's finish waited to its timeout and the final checkpoint was never written)."""
     async def main():
         buf, ctrl, managers = controller_with_ranks(tok, num_ranks=1)
         run = asyncio.create_task(managers[0].run())
         await ctrl.wait_ready()
-        await ctrl.start_eval([Problem("1+1=", "2"), Problem("2+2=", "4")], k=2)
+        ev = Evaluation(ctrl)
+        await ev.start([Problem("1+1=", "2"), Problem("2+2=", "4")], k=2)
         await asyncio.sleep(2 * STEP)                  # (virtual time) the 6 tasks run: 5 tokens take 5 steps
         assert len(managers[0].jobs) == 6
         await ctrl.sleep_engines()                     # the trainer takes the GPU
         aborted = managers[0].counters["aborted_by_request"]
         await ctrl.sync_weights(1, send_fn=lambda group: None)   # wakes the engine
-        result = await ctrl.finish_eval()
+        result = await ev.finish()
         await ctrl.stop()
         await run
         return aborted, result

@@ -1,4 +1,4 @@
-"""envs.py: the calculator tool env (its calls run in the sandbox), and the lognormal latency wrapper."""
+"""ext/calc.py and ext/faults.py: the calculator tool env (its calls run in the sandbox), and the lognormal latency wrapper."""
 
 import asyncio
 import random
@@ -7,8 +7,8 @@ import statistics
 import pytest
 
 import tiny_model
-from envs import CalcEnv, FaultConfig, LatencyEnv, calc_observation
-from sandbox import SandboxLimits
+from ext.calc import CalcEnv, SandboxLimits, calc_observation, sft_segments
+from ext.faults import FaultConfig, LatencyEnv
 from task import Problem
 
 FAST = SandboxLimits(cpu_s=1, wall_s=2)
@@ -49,13 +49,13 @@ def test_calls_beyond_max_calls_are_answers():
 
 
 def test_the_warm_start_transcript_is_what_the_env_says():
-    """tiny_model's tool transcripts use the env's protocol: replayed, the env gives their observation."""
+    """The calc model's tool transcripts use the env's protocol: replayed, the env gives their observation."""
     p = Problem("315+835=", "1150")
-    segs = tiny_model.sft_segments(p, tool=True)
+    segs = sft_segments(p)
     assert [trained for _, trained in segs] == [False, True, False, True]
     first, call, answer = play(CalcEnv(p, limits=FAST), [segs[1][0], segs[3][0]])
     assert first == segs[0][0] and call[0] == segs[2][0] and answer[1] == 1.0
-    assert tiny_model.sft_segments(p, tool=False) == [(p.prompt, False), (p.answer, True)]
+    assert tiny_model.sft_segments(p) == [(p.prompt, False), (p.answer, True)]
 
 
 def test_lognormal_latency_has_the_median_asked_for_and_a_heavy_tail(monkeypatch):

@@ -18,7 +18,8 @@ import torch
 from buffer import Cmd, Command, LocalQueues, RolloutTask, SampleBuffer
 from conftest import LoopThread
 from env_manager import EnvManager, RolloutConfig, env_seed
-from envs import CALL, ENVS
+from ext.calc import CALL
+from rollout import ENVS
 from task import Problem, make_problems
 from trainer import collate, token_logprobs
 
@@ -252,7 +253,8 @@ def calc_proxy():
     import tiny_model
     from proxy import LLMProxy
     from transformers import PreTrainedTokenizerFast
-    model_dir = tiny_model.ensure_tiny_model(tiny_model.CALC_DIR, tiny_model.CALC)
+    from ext.calc import ensure_calc_model
+    model_dir = ensure_calc_model()
     lt = LoopThread()
     proxy = lt.run(LLMProxy.start_vllm(str(model_dir), rank=0, timeout_s=120))
     yield lt, proxy, PreTrainedTokenizerFast.from_pretrained(model_dir)

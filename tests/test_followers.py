@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from test_trainer import free_port
-from trainer_ranks import TrainerRanks
+from ranks import TrainerRanks
 
 TIMEOUT_S = 5.0      # --timeout-s: the trainer group's timeout, and the longest a follower hears nothing
 

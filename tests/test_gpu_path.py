@@ -20,7 +20,7 @@ from env_manager import EnvManager, RolloutConfig
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Status
 from task import Problem
-from vllm_engine import cpu_layout, engine_gpu
+from ranks import cpu_layout, engine_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_the_layout_check_refuses_an_nccl_group_with_two_ranks_of_one_gpu():
     """Fake layouts (no GPU needed): torchrun's environment alone says which GPU each rank takes; a
     group NCCL would refuse ("Duplicate GPU detected") is named with its two ranks and their GPU,
     before any group forms."""
-    from train import layout_errors, rank_places
+    from ranks import layout_errors, rank_places
     # --colocate on one node of 4 GPUs: 8 ranks, rollout rank i on trainer rank i's GPU
     colocated = rank_places(8, 8, None, 4)
     assert colocated[5] == colocated[1] == (0, "1")
@@ -85,7 +85,7 @@ def test_weight_transport_flags(capsys):
 def test_colocated_engine_share_leaves_the_trainer_its_headroom():
     """--colocate's default --gpu-memory-utilization: free memory at the engine's start less what the
     trainer adds while the engine is awake; too little left is an error naming the flag."""
-    from memplan import GiB, colocated_headroom, colocated_share
+    from ext.memplan import GiB, colocated_headroom, colocated_share
     trainer = {"weights (fp32 masters)": 4 * GiB, "gradients": 4 * GiB, "AdamW moments": 8 * GiB,
                "gathered weights": 1 * GiB, "activations": 30 * GiB, "logits chunk": 2 * GiB}
     headroom = colocated_headroom(trainer, 64 << 20)
@@ -168,7 +168,7 @@ def gpus_needed(ranks: int, train: int, transport: str) -> int:
     """The fewest GPUs of one node on which train.py's own layout check accepts `ranks` ranks, `train` of
     them trainers (one GPU a rank; --colocate's ipc pairs share one): a run is skipped, not refused, below
     it."""
-    from train import layout_errors, rank_places
+    from ranks import layout_errors, rank_places
     return next(n for n in range(1, ranks + 1)
                 if not layout_errors(rank_places(ranks, ranks, None, n), train, transport, cuda=True))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lora import LoraConfig, check_lora, is_adapter_tensor
+from ext.lora import LoraConfig, check_lora, engine_kwargs, is_adapter_tensor, lora_weights, serve_adapter
 from trainer import TrainConfig, Trainer, collate, token_logprobs
 from test_trainer import _fsdp_worker, free_port, make_samples
 
@@ -23,8 +23,7 @@ TRAIN_KW = dict(loss="ppo", lr=1e-2, warmup_steps=0)       # adapters want a lar
 
 
 def lora_trainer(model_dir, adapter_dir=""):
-    return Trainer(str(model_dir), TrainConfig(**TRAIN_KW), lora=LoraConfig(lora_rank=8),
-                   adapter_dir=adapter_dir)
+    return Trainer(str(model_dir), TrainConfig(**TRAIN_KW), weights=lora_weights(LoraConfig(lora_rank=8), adapter_dir))
 
 
 def seq_logprobs(model, samples) -> torch.Tensor:
@@ -123,12 +122,12 @@ def test_adapter_checkpoint_round_trip_and_merge(tiny_model_dir, tmp_path):
     assert torch.equal(*moments)
     # the merge command: a full HF model dir with the same logprobs
     merged = tmp_path / "merged"
-    subprocess.run([sys.executable, "-m", "lora", "merge", str(tiny_model_dir), str(ck), str(merged)],
+    subprocess.run([sys.executable, "-m", "ext.lora", "merge", str(tiny_model_dir), str(ck), str(merged)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     # (W + BA)x against Wx + B(Ax): the same to float32 rounding
     assert (seq_logprobs(full, samples) - want).abs().max().item() < 1e-4
-    bad = subprocess.run([sys.executable, "-m", "lora", "merge", str(tiny_model_dir), str(tmp_path),
+    bad = subprocess.run([sys.executable, "-m", "ext.lora", "merge", str(tiny_model_dir), str(tmp_path),
                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "no adapter_config.json" in bad.stderr
 
@@ -143,7 +142,7 @@ def test_adapter_only_sync_reaches_the_engine_and_kept_requests_switch_to_it(tin
     from proxy import LLMProxy, Sampling
     from test_engine import ref_logprobs, wait_for_tokens
     from weight_sync import Sender, push
-    from trainer_ranks import PROBE_TEXT
+    from ranks import PROBE_TEXT
     from transformers import AutoTokenizer
 
     probe = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROBE_TEXT)
@@ -152,8 +151,10 @@ def test_adapter_only_sync_reaches_the_engine_and_kept_requests_switch_to_it(tin
     base = tr.probe_logprobs(probe)
 
     async def main():
+        cfg = LoraConfig(lora_rank=8)
         proxy = await LLMProxy.start_vllm(str(tiny_model_dir), max_num_seqs=4, max_model_len=64,
-                                          lora=LoraConfig(lora_rank=8))
+                                          **engine_kwargs(cfg),
+                                          on_engine=lambda e: serve_adapter(e, cfg, str(tiny_model_dir)))
         sender = Sender()
 
         async def sync(version):

@@ -453,13 +453,13 @@ def test_adv_estimators_are_a_registry_behind_a_flag():
 
 
 def test_adv_estimator_reaches_both_call_sites():
-    """The flag's estimator is what rl_step (whole batches: its adv_estimator argument)
+    """The flag's estimator is what rl_step (whole batches: WholeBatch's estimator argument)
     and the streaming trainer (TrainStream, per group) compute the advantages with."""
     import asyncio
 
     from buffer import LocalQueues, Sample, SampleBuffer
-    from controller import AsyncController, ControllerConfig, rl_step
-    from stream import TrainStream
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
+    from ext.stream_trainer import TrainStream
     from task import Problem
     batch = [Sample(f"t{i}", f"g{i // 2}", [1], [2], [0.0], [1], [0], r)
              for i, r in enumerate([1.0, 0.0, 3.0, 3.0])]
@@ -469,7 +469,9 @@ def test_adv_estimator_reaches_both_call_sites():
         ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, redundant=0),
                                SampleBuffer(LocalQueues(1), "test"), iter([Problem("1+1=", "2")]), 1)
 
-        async def collect(on_group=None):
+        async def collect(on_group=None, stream=False):
+            for g in (batch[:2], batch[2:]):
+                on_group(g)
             return batch, {}
 
         async def sync_weights(*args, **kwargs):
@@ -479,7 +481,7 @@ def test_adv_estimator_reaches_both_call_sites():
         async def train(samples, advantages, version):
             seen.append(advantages)
             return {}, None
-        await rl_step(ctrl, train, None, **({"adv_estimator": estimator} if estimator else {}))
+        await rl_step(ctrl, WholeBatch(train, 2, **({"estimator": estimator} if estimator else {})), None)
         return seen[0]
     assert asyncio.run(whole_batch("drgrpo")) == pytest.approx(drgrpo)
     assert asyncio.run(whole_batch(None)) == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)   # grpo

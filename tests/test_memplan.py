@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import memplan
+from ext import memplan
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN_7B = ROOT / "tools" / "qwen2.5-7b"          # Qwen2.5-7B's public config.json, no weights
@@ -20,7 +20,7 @@ def test_counts_from_the_meta_device_are_the_models(tiny_model_dir):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import lora
+    from ext import lora
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora.LoraConfig(lora_rank=8))
     counts = memplan.param_counts(model.config, 8, tuple(lora.LoraConfig(lora_rank=8).targets))

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from microbatch import PolicyNet, pack_by_tokens, padded_share, token_logprobs
+from model import PolicyNet, pack_by_tokens, padded_share, token_logprobs
 
 
 def full_logprobs(model, ids, attn):
@@ -44,7 +44,7 @@ def models(tiny_model_dir):
     """The tiny model, and the same under a LoRA adapter whose B is non-zero (so the adapter matters)."""
     from transformers import AutoModelForCausalLM
 
-    import lora
+    from ext import lora
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     peft = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                      lora.LoraConfig(lora_rank=4))

@@ -12,8 +12,10 @@ import pytest
 
 from buffer import LocalQueues, SampleBuffer
 from controller import AsyncController, ControllerConfig
-from envs import PromptFormat
-from task import Problem, RewardPool, load_dataset, load_reward, reasoning_gym_maker
+from rollout import PromptFormat
+from ext.eval import Evaluation
+from ext.verifiers import RewardPool, reasoning_gym_maker
+from task import Problem, load_dataset, load_reward
 
 
 def test_reward_pool_kills_a_verifier_that_hangs_and_goes_on():
@@ -246,7 +248,8 @@ def test_an_evaluation_round_is_scored_apart_from_training():
 
     async def main():
         c, _ = controller(max_model_len=0)
-        await c.start_eval([Problem("a", "1"), Problem("b", "2")], k=2)
+        ev = Evaluation(c)
+        await ev.start([Problem("a", "1"), Problem("b", "2")], k=2)
         tasks = c.buffer.t.get_many_nowait("tasks", 100)
         assert sorted(t.eval_temperature for t in tasks) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
         right = {"eval0.0.greedy": 1.0, "eval0.0.t0": 1.0, "eval0.0.t1": 0.0, "eval0.1.greedy": 0.0,
@@ -254,20 +257,20 @@ def test_an_evaluation_round_is_scored_apart_from_training():
         for t in tasks:
             if t.task_id == "eval0.1.t1":      # fails once (retried), then for good
                 for retrying in (True, False):
-                    await c._eval_add(Sample(t.task_id, t.group_id, [1], [], [], [], [], 0.0, failed=True,
-                                             meta={"eval": True, "retrying": retrying}))
+                    await ev.tap(Sample(t.task_id, t.group_id, [1], [], [], [], [], 0.0, failed=True,
+                                        meta={"eval": True, "retrying": retrying}))
                 continue
-            assert c.eval_result() == {}
-            await c._eval_add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
-                                     meta={"eval": True}))
-        return c.eval_result(), c.eval_result(), c.asm.num_ready() + len(c.asm.pending)
+            assert ev.result() == {}
+            await ev.tap(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
+                                meta={"eval": True}))
+        return ev.result(), ev.result(), c.asm.num_ready() + len(c.asm.pending)
     done, again, trained = asyncio.run(main())
     assert (done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5}
             and again == {} and trained == 0)
 
 
 def test_reward_deadline_is_lambda_times_the_slowest_correct_answer_within_min_and_max():
-    from deadline import RewardDeadline
+    from ext.deadlines import RewardDeadline
     d = RewardDeadline(10.0, factor=2.0, floor_s=1.0)
     assert d.current_s == 10.0                        # no correct answer yet: T_max
     d.record(3.0, 0.0)                                # a wrong answer says nothing of a right one's time

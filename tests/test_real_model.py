@@ -31,7 +31,7 @@ def test_prefix_cache_never_serves_old_weights_after_an_update(chat_model):
     the update: its logprobs must be the new weights' (the cache is salted by policy version)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs import PromptFormat
+    from rollout import PromptFormat
     from proxy import LLMProxy, Sampling
     from weight_sync import Sender, push
     tok = AutoTokenizer.from_pretrained(chat_model["dir"])

@@ -1,4 +1,4 @@
-"""runlog.py, timeline.py and quiet.py without engines: the tensorboard tracker against metrics.jsonl, the
+"""runlog.py, ext/trackers.py and ext/timeline.py without engines: the tensorboard tracker against metrics.jsonl, the
 missing-package messages, ETA and summary, the events' size bounds, the rank-side recording in the
 proxy, the controller forwarding the acks' events, and the log filter."""
 
@@ -8,21 +8,31 @@ import itertools
 import json
 import logging
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-import quiet
 import runlog
 from buffer import Ack, LocalQueues, Phase, SampleBuffer
-from config import parse_cli
+from config import Extensions, parse_cli
 from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Sampling
 from runlog import RunLog
 from task import Problem
-from timeline import EventLog, RankEvents
+from ext.timeline import EventLog, RankEvents
 from train import Config
+
+
+def make_log(tmp_path, *flags) -> RunLog:
+    """Trainer rank 0's RunLog for train.py's flags, with the extensions they turn on (a tracker, the
+    timeline, evaluation) started as in a run."""
+    cfg = parse_cli(Config, ["--out-dir", str(tmp_path), *flags])
+    exts = Extensions.start(cfg)
+    exts.call("on_controller", SimpleNamespace(taps=[], events=None), None)
+    return RunLog(cfg, 0, exts)
 
 
 def step_args(i: int, time_step: float = 2.0, probe=None) -> tuple:
@@ -40,7 +50,7 @@ def step_args(i: int, time_step: float = 2.0, probe=None) -> tuple:
 
 def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    log = RunLog(Config(out_dir=str(tmp_path), steps=4, tracker="tensorboard"))
+    log = make_log(tmp_path, "--steps", "4", "--tracker", "tensorboard")
     for i in range(1, 5):
         log.step(*step_args(i, probe=1e-6 * i if i % 2 else None))    # None (not probed): left out
     log.finish()
@@ -60,7 +70,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
 
 def test_a_fresh_run_replaces_old_tensorboard_files(tmp_path):
     for _ in range(2):
-        log = RunLog(Config(out_dir=str(tmp_path), steps=1, tracker="tensorboard"))
+        log = make_log(tmp_path, "--steps", "1", "--tracker", "tensorboard")
         log.step(*step_args(1))
         log.finish()
     assert len(list((tmp_path / "tensorboard").iterdir())) == 1
@@ -75,7 +85,7 @@ def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch, 
         parse_cli(Config, ["--tracker", name])
     err = capsys.readouterr().err
     assert f"--tracker {name} needs the optional package '{name}'" in err and f"pip install {name}" in err
-    assert parse_cli(Config, ["--tracker", "none"]).tracker == "none"     # none needs nothing
+    assert parse_cli(Config, ["--tracker", "none"]).ext["trackers"].tracker == "none"     # none needs nothing
 
 
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
@@ -92,12 +102,12 @@ def test_wandb_and_trackio_get_the_same_keys(monkeypatch, tmp_path, name):
     fake.finish = lambda: calls.append(("finish",))
     monkeypatch.setitem(__import__("sys").modules, name, fake)
     (tmp_path / "myrun").mkdir()
-    log = RunLog(Config(out_dir=str(tmp_path / "myrun"), steps=2, tracker=name, tracker_project="proj"))
+    log = make_log(tmp_path / "myrun", "--steps", "2", "--tracker", name, "--tracker-project", "proj")
     for i in (1, 2):
         log.step(*step_args(i))
     log.finish()
     assert calls[0][0] == "init" and calls[0][1]["project"] == "proj" and calls[0][1]["name"] == "myrun"
-    assert calls[0][1]["config"]["tracker"] == name and calls[-1] == ("finish",)
+    assert calls[0][1]["config"]["ext"]["trackers"]["tracker"] == name and calls[-1] == ("finish",)
     rows = [json.loads(line) for line in (tmp_path / "myrun" / "metrics.jsonl").read_text().splitlines()]
     logged = [c[1] for c in calls if c[0] == "log"]
     assert logged == [{k: v for k, v in r.items() if v is not None} for r in rows]
@@ -112,7 +122,7 @@ def test_an_unknown_tracker_lists_the_known_ones(capsys):
 
 
 def test_progress_line_has_an_eta_and_the_summary_adds_up(tmp_path, capsys):
-    log = RunLog(Config(out_dir=str(tmp_path), steps=5))
+    log = make_log(tmp_path, "--steps", "5")
     log.t_start, log.t_ready = 1000.0, 1030.0                       # 30 s of start-up
     log.step(*step_args(1, time_step=2.0))
     assert capsys.readouterr().out.rstrip().endswith("| eta 8.0s")   # 2 s per step, 4 steps left
@@ -128,7 +138,7 @@ def test_progress_line_has_an_eta_and_the_summary_adds_up(tmp_path, capsys):
 
 
 def test_eval_metrics_are_summarised_when_present(tmp_path):
-    log = RunLog(Config(out_dir=str(tmp_path), steps=3))
+    log = make_log(tmp_path, "--steps", "3", "--eval-every", "1")
     for i in range(1, 4):
         args = step_args(i)
         args[2]["eval_accuracy"] = 0.5 + 0.1 * i if i != 2 else None
@@ -139,7 +149,7 @@ def test_eval_metrics_are_summarised_when_present(tmp_path):
 def test_a_long_run_keeps_a_bounded_record_and_the_same_summary(tmp_path, capsys):
     """RunLog keeps the first and last 10 rows and sums, not every row (a soak run's trainer grew by
     its rows): after 1000 steps the summary is what the whole list of rows gives."""
-    log = RunLog(Config(out_dir=str(tmp_path), steps=1000))
+    log = make_log(tmp_path, "--steps", "1000")
     log.t_start, log.t_ready = 0.0, 10.0
     for i in range(1, 1001):
         args = step_args(i)
@@ -175,10 +185,10 @@ def test_event_log_caps_request_events_not_steps(tmp_path):
 
 def test_no_events_file_with_max_events_0(tmp_path):
     (tmp_path / "events.jsonl").write_text('{"ev": "start", "t": 1.0}\n')     # an older run's
-    log = RunLog(Config(out_dir=str(tmp_path), steps=1, max_events=0))
+    log = make_log(tmp_path, "--steps", "1", "--max-events", "0")
     log.step(*step_args(1))
     log.finish()
-    assert log.events is None and not (tmp_path / "events.jsonl").exists()
+    assert not any(getattr(e, "log", None) for e in log.exts) and not (tmp_path / "events.jsonl").exists()
 
 
 def test_rank_events_keep_the_newest_and_count_the_rest():
@@ -239,7 +249,7 @@ def test_controller_forwards_each_acks_events_once():
 
 
 def test_known_noise_is_dropped_and_repeats_are_shown_once():
-    f = quiet.KnownNoise()
+    f = runlog.KnownNoise()
 
     def rec(msg, *args):
         return logging.LogRecord("vllm.x", logging.WARNING, "x.py", 1, msg, args, None)
@@ -252,19 +262,19 @@ def test_known_noise_is_dropped_and_repeats_are_shown_once():
 
 def test_quiet_setup_respects_the_user_and_verbose(monkeypatch):
     for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "HF_HUB_DISABLE_PROGRESS_BARS",
-                 "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", quiet.MARK):
+                 "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", runlog.QUIET_MARK):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(quiet, "_filter_now", lambda: None)       # leave this process's logging alone
-    monkeypatch.setattr(quiet.warnings, "filterwarnings", lambda *a, **k: None)
-    quiet.setup(verbose=True)
-    assert "VLLM_LOGGING_LEVEL" not in quiet.os.environ
+    monkeypatch.setattr(runlog, "_filter_now", lambda: None)       # leave this process's logging alone
+    monkeypatch.setattr(runlog.warnings, "filterwarnings", lambda *a, **k: None)
+    runlog.quiet(verbose=True)
+    assert "VLLM_LOGGING_LEVEL" not in runlog.os.environ
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")                  # the user's choice wins
-    quiet.setup(verbose=False)
-    env = quiet.os.environ
+    runlog.quiet(verbose=False)
+    env = runlog.os.environ
     assert env["VLLM_LOGGING_LEVEL"] == "ERROR" and env["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     config = json.load(open(env["VLLM_LOGGING_CONFIG_PATH"]))
     assert config["loggers"]["vllm"]["level"] == "ERROR"
-    assert config["filters"]["known_noise"]["()"] == "quiet.KnownNoise"
+    assert config["filters"]["known_noise"]["()"] == "runlog.KnownNoise"
 
 
 def test_fmt_s():

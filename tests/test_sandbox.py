@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-import sandbox
-from sandbox import SandboxLimits, arun_python, run_python
+from ext import calc as sandbox
+from ext.calc import SandboxLimits, arun_python, run_python
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=2, output_bytes=1024)
 SLACK = 3.0  # seconds a call may take past wall_s (startup, teardown); loose on purpose

@@ -81,7 +81,8 @@ def test_the_flag_reaches_vllm_before_its_engine_client_reads_it():
     sets it (a minute above --startup-timeout-s) before anything imports that module."""
     code = ("import sys, train; from config import parse_cli\n"
             "assert 'vllm.v1.engine.core_client' not in sys.modules, 'imported before the export'\n"
-            "train.export_startup_timeout(parse_cli(train.Config, ['--startup-timeout-s', '3000']))\n"
+            "train.export_startup_timeout(parse_cli(train.Config, ['--startup-timeout-s', '3000'])"
+            ".controller.startup_timeout_s)\n"
             "from vllm.v1.engine import core_client\n"
             "print(core_client.VLLM_ENGINE_READY_TIMEOUT_S)\n")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENGINE_READY_TIMEOUT_S"}
@@ -123,7 +124,7 @@ def test_a_rollout_rank_starts_its_engine_before_it_connects_to_the_queue_server
     """The engine's start does not wait for trainer rank 0, which serves the queues only once its model is
     built: engine start and trainer build overlap. The connect then waits up to --startup-timeout-s."""
     import train
-    from config import parse_cli
+    from config import Extensions, parse_cli
     from proxy import LLMProxy
     from tiny_model import build_tokenizer
     build_tokenizer().save_pretrained(tmp_path)             # all run_rollout reads from the model dir here
@@ -149,7 +150,7 @@ def test_a_rollout_rank_starts_its_engine_before_it_connects_to_the_queue_server
     monkeypatch.setattr(ManagerQueues, "connect", staticmethod(connect))
     cfg = parse_cli(train.Config, ["--startup-timeout-s", "1234", "--max-events", "0"])
     with pytest.raises(Reached):
-        train.run_rollout(cfg, 1, "cpu", str(tmp_path), None, ("127.0.0.1", 1, b"k"))
+        train.run_rollout(cfg, Extensions.start(cfg), 1, "cpu", str(tmp_path), None, ("127.0.0.1", 1, b"k"))
     assert seen == [("engine start", 1234), ("connect", 1234, "rollout rank 0 (global 1)"),
                     "engine shut down"]
 
@@ -187,7 +188,7 @@ def test_the_queue_server_across_nodes_listens_on_every_interface(bind):
 
 
 def test_the_queue_server_binds_every_interface_only_across_nodes(monkeypatch):
-    from train import queue_bind
+    from buffer import queue_bind
     for world, local, bind in (("2", "1", ""), ("40", "8", ""), ("2", "2", None), ("3", None, None)):
         monkeypatch.setenv("WORLD_SIZE", world)
         if local is None:

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import stream
+from ext import stream_trainer as stream
 import trainer
 from losses import AGG_MODES, group_advantages
-from stream import Dealer, GradStream
+from ext.stream_trainer import Dealer, GradStream
 from tests.test_trainer import free_port, make_samples
 from trainer import TrainConfig, Trainer
 

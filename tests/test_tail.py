@@ -1,12 +1,14 @@
-"""tail.py through the real controller, buffer and env managers on fake engines (tools/sim.py, virtual time):
+"""ext/tail_batching.py through the real controller, buffer and env managers on fake engines (tools/sim.py, virtual time):
 short and long rounds, no prompt lost, nothing stale at ratio 0, the long queue across a resume."""
 
 from dataclasses import replace
 
 import pytest
 
+from types import SimpleNamespace
+
 from controller import ControllerConfig
-from tail import Round, TailBatcher
+from ext.tail_batching import Round, TailBatching, TailBatchingExt, TailConfig
 from task import Problem
 from tools import sim
 
@@ -58,12 +60,13 @@ def check_every_prompt_accounted(ctrl, ledger):
     that overran alpha), or still waiting (in flight, re-admission, the long queue): never two of these."""
     trained = [p for p, _, _ in ledger.trained]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    waiting = [p.prompt for p in ctrl.in_flight_problems() + ctrl.long_queue_problems()]
+    kept = ctrl.admission.state(ctrl)
+    waiting = [p.prompt for p in kept["in_flight"] + kept["long_queue"]]
     assert len(waiting) == len(set(waiting)) and not set(waiting) & set(trained)
-    asm = ctrl.asm
-    lost = asm.groups_filtered + asm.groups_failed + asm.groups_dropped_stale + ctrl.tb.long_dropped
+    asm, tb = ctrl.asm, ctrl.admission
+    lost = asm.groups_filtered + asm.groups_failed + asm.groups_dropped_stale + tb.long_dropped
     assert ctrl.groups_drawn == len(trained) + lost + len(waiting)
-    assert asm.groups_deferred == ctrl.tb.deferred + ctrl.tb.long_dropped     # (both given up on by defer())
+    assert asm.groups_deferred == tb.deferred + tb.long_dropped     # (both given up on by defer())
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -102,26 +105,27 @@ def test_tail_batching_at_ratio_2_keeps_the_bound_and_every_prompt():
 
 def test_the_long_queue_survives_a_resume():
     """A run stops with prompts in its long queue (and in flight); a new controller that starts from
-    what a checkpoint keeps (in_flight_problems, long_queue_problems) trains each of them once, the long
+    what a checkpoint keeps (Admission.state: in flight, the long queue) trains each of them once, the long
     queue's in a long round, and draws only new prompts from the stream."""
     first = Ledger()
     stream = sim.sim_problems(TINY)
     cfg = replace(TINY, steps=4)               # short, short, long, short: the queue holds 2 at the end
     _, ctrl = run(cfg, first, stream)
-    long = [p.prompt for p in ctrl.long_queue_problems()]
-    in_flight = ctrl.in_flight_problems()
+    kept = ctrl.admission.state(ctrl)
+    long = [p.prompt for p in kept["long_queue"]]
+    in_flight = kept["in_flight"]
     assert long, "the run ended with an empty long queue: nothing to carry over"
-    saved_long = [Problem(**vars(p)) for p in ctrl.long_queue_problems()]    # (as the checkpoint's JSON)
+    saved_long = [Problem(**vars(p)) for p in kept["long_queue"]]    # (as the checkpoint's JSON)
 
     def restore(c):
-        c.readmit.extend(in_flight)
-        c.tb.long_queue.extend(saved_long)
+        c.admission.restore(c, {"in_flight": in_flight, "long_queue": saved_long})
     second = Ledger()
     _, ctrl2 = run(replace(TINY, steps=8), second, stream, restore)
     trained_before = {p for p, _, _ in first.trained}
     trained_after = {p: kind for p, _, kind in second.trained}
     assert not trained_before & set(trained_after)                     # nothing trained again
-    waiting = {q.prompt for q in ctrl2.in_flight_problems() + ctrl2.long_queue_problems()}
+    kept2 = ctrl2.admission.state(ctrl2)
+    waiting = {q.prompt for q in kept2["in_flight"] + kept2["long_queue"]}
     filtered = {second.gid_prompt[g] for g in ctrl2.asm.closed} - set(trained_after)
     for p in long:         # trained in a long round, or filtered there (all rewards equal), or still queued
         assert trained_after.get(p) == "long" or p in filtered or p in waiting, p
@@ -132,25 +136,25 @@ def test_the_long_queue_survives_a_resume():
 
 
 def test_round_state_machine_and_flags():
-    tb = TailBatcher(batch_groups=4, async_ratio=0, oversample=1.5, extra_samples=2)
-    assert tb.begin_step() == Round.SHORT and tb.target(redundant=1) == 4 + 2 + 1
-    assert tb.samples_per_group(8, single_turn=True) == 10 and tb.long_block() == 0
-    tb.admitted("a", 0)
+    cfg = ControllerConfig(batch_groups=4, group_size=8, async_ratio=0, redundant=1)
+    tb = TailBatching(cfg, oversample=1.5, extra_samples=2)
+    assert tb.begin_step(None) == 0 and tb.round == Round.SHORT and tb.target() == 4 + 2 + 1   # (no long block)
+    assert tb.admitted("a", 0) == 10                                       # samples per group: 8 + 2
     assert tb.overdue(0, ["a"]) == ["a"] and tb.give_up("a", Problem("p", "1")) and len(tb.long_queue) == 1
     tb.long_queue.extend(Problem(f"q{i}", "1") for i in range(3))
-    assert tb.begin_step() == Round.LONG and tb.target(redundant=1) == 4 and tb.long_block() == 4
-    assert tb.samples_per_group(8, single_turn=True) == 8                 # no over-sampling in a long round
+    assert tb.begin_step(None) == 4 and tb.round == Round.LONG and tb.target() == 4     # the long block: 4
     assert tb.next_problem().prompt == "p"
-    tb.admitted("b", 3)
+    assert tb.admitted("b", 3) == 8                                        # no over-sampling in a long round
     assert not tb.give_up("b", Problem("q", "1")) and tb.long_dropped == 1    # a long group is not deferred
-    alpha2 = TailBatcher(batch_groups=4, async_ratio=2, oversample=1.5, extra_samples=0)
+    alpha2 = TailBatching(ControllerConfig(batch_groups=4, async_ratio=2), oversample=1.5, extra_samples=0)
     alpha2.admitted("old", 3)
     alpha2.admitted("new", 4)
     assert alpha2.overdue(5, ["old", "new"]) == ["old"]                # admitted alpha or more versions ago
     with pytest.raises(ValueError, match="--tail-oversample"):
-        ControllerConfig(tail_oversample=0.5)
+        TailConfig(tail_oversample=0.5)
     with pytest.raises(ValueError, match="--rollout-mode queue"):
-        ControllerConfig(tail_batching=True, rollout_mode="batch")
+        TailBatchingExt.configure(SimpleNamespace(controller=ControllerConfig(rollout_mode="batch")),
+                                  TailConfig(tail_batching=True))
 
 
 def test_tail_batching_off_leaves_the_schedule_as_it_was():

@@ -58,9 +58,11 @@ def test_response_len_budget_is_the_prompts_own_lognormal_draw():
     lognormal around the median; off, no budget."""
     import random
     import statistics
-    cfg = task.DataConfig(response_len_median=8, response_len_sigma=1.0)
-    _, make, held_out = cfg.sources(0, evaluate=True)
+    from config import Extensions, parse_cli
+    from train import Config
+    cfg = parse_cli(Config, ["--response-len-median", "8", "--response-len-sigma", "1.0", "--eval-every", "1"])
+    _, make, held_out = cfg.data.sources(0, Extensions.start(cfg))
     lens = [make(random.Random(i)).target_len for i in range(2000)]
     assert 7 <= statistics.median(lens) <= 9 and max(lens) > 60 and min(lens) >= 1
     assert all(p.target_len == 0 for p in held_out)          # evaluation answers as it likes
-    assert task.DataConfig().sources(0, evaluate=False)[1](random.Random(0)).target_len == 0
+    assert task.DataConfig().sources(0)[1](random.Random(0)).target_len == 0

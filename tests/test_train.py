@@ -250,7 +250,7 @@ def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trainer import token_logprobs
-    from trainer_ranks import PROBE_TEXT
+    from ranks import PROBE_TEXT
     base_dir = json.loads((ck / "adapter_config.json").read_text())["base_model_name_or_path"]
     ids = torch.tensor([AutoTokenizer.from_pretrained(base_dir).encode(PROBE_TEXT)])
     with torch.no_grad():

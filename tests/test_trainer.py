@@ -69,11 +69,11 @@ def test_train_step_moves_logprobs_along_advantages(tiny_model_dir):
 
 def _fsdp_worker(rank, world, port, model_dir, samples, adv, out, train_kw=None, lora_rank=0):
     """One of `world` FSDP2 ranks trains its shard once; rank 0 saves the full weights (or adapter)."""
-    from lora import LoraConfig
+    from ext.lora import LoraConfig, lora_weights
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tr = Trainer(model_dir, TrainConfig(**(train_kw or dict(loss="ppo", lr=1e-3))), dist.group.WORLD,
-                 lora=LoraConfig(lora_rank=lora_rank))
+                 weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
     tr.train_step(samples[rank::world], adv[rank::world])
     named = tr.full_state()
     if rank == 0:
@@ -161,7 +161,7 @@ class RecordingSender:
 def _checkpoint_and_sync_worker(rank, world, port, model_dir, out_dir, result):
     """One of `world` FSDP ranks: a checkpoint, then a weight sync (TrainerRanks' own part, rank 0's sender
     a recording one) in bfloat16, the engine's dtype; what each held and gathered, saved per rank."""
-    from trainer_ranks import TrainerRanks
+    from ranks import TrainerRanks
     from weight_sync import GroupSpec, weight_meta
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -332,14 +332,14 @@ def _steps_worker(rank, world, port, model_dir, samples, adv, out, train_kw, ste
     a sharded start reads only its own shards), then `steps` train steps on its shard of the batch."""
     from transformers import AutoModelForCausalLM
 
-    from lora import LoraConfig
+    from ext.lora import LoraConfig, lora_weights
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
     def refuse(*a, **kw):
         raise AssertionError("a trainer rank under FSDP loaded the whole model")
     AutoModelForCausalLM.from_pretrained = refuse
-    tr = Trainer(model_dir, TrainConfig(**train_kw), dist.group.WORLD, lora=LoraConfig(lora_rank=lora_rank))
+    tr = Trainer(model_dir, TrainConfig(**train_kw), dist.group.WORLD, weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
     lm = tr.model.get_base_model() if lora_rank else tr.model
     start = {"tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
              "local": sum(p.to_local().numel() for p in tr.model.parameters()),
@@ -368,8 +368,8 @@ def test_sharded_start_holds_half_the_model_and_the_same_weights(tiny_model_dir,
     """2 FSDP ranks start without loading the whole model (from_pretrained refused in them): each holds
     half of every weight, the tied head is the embedding's tensor, the rotary tables are recomputed, and the
     weights (LoRA: base and the adapter's init) are exactly the single-rank trainer's."""
-    from lora import LoraConfig
-    single = Trainer(str(tiny_model_dir), TrainConfig(), lora=LoraConfig(lora_rank=lora_rank))
+    from ext.lora import LoraConfig, lora_weights
+    single = Trainer(str(tiny_model_dir), TrainConfig(), weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
     got = spawn_steps(tmp_path, tiny_model_dir, make_samples(tiny_model_dir), [1.0, -1.0, 1.0, -1.0],
                       dict(loss="ppo"), lora_rank=lora_rank)["start"]
     lm = single.model.get_base_model() if lora_rank else single.model
@@ -446,7 +446,7 @@ def test_token_budget_micro_batches_give_the_same_gradient(tiny_model_dir, agg):
     token slots): the gradient equals one sample per micro-batch, within 1e-6 (its largest entry is ~0.07;
     float32 batching alone puts 3e-7 between them: --micro-batch 8 is as far), and the packed micro-batches
     hold fewer padding slots than one micro-batch of all 8."""
-    from microbatch import pack_by_tokens, padded_share
+    from model import pack_by_tokens, padded_share
     samples = []
     for i, n in enumerate([3, 11, 5, 8, 2, 9, 14, 4]):
         samples += make_samples(tiny_model_dir, n=1, resp_len=n, seed=i)
@@ -538,10 +538,10 @@ def test_kl_to_the_reference_is_off_by_default_and_pulls_back_when_on(tiny_model
 
 def test_kl_reference_under_lora_is_the_base_with_the_adapter_off(tiny_model_dir, tmp_path):
     """One rank and two FSDP ranks alike: kl 0 while the adapter is B = 0, > 0 once it trained."""
-    from lora import LoraConfig
+    from ext.lora import LoraConfig, lora_weights
     samples = make_samples(tiny_model_dir, n=4)
     kw = dict(lr=1e-2, warmup_steps=0, kl_coef=0.1)
-    tr = Trainer(str(tiny_model_dir), TrainConfig(**kw), lora=LoraConfig(lora_rank=8))
+    tr = Trainer(str(tiny_model_dir), TrainConfig(**kw), weights=lora_weights(LoraConfig(lora_rank=8)))
     assert tr.ref_net is None                      # no copy: the base is the reference
     assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] == 0.0        # B = 0: the adapter is the base
     assert tr.train_step(samples, [1.0, -1.0, 1.0, -1.0])["kl"] > 0

@@ -1,4 +1,4 @@
-"""weight_ipc.py without engines: the ipc transport's sender in this process, the worker side in
+"""ext/colocate.py's ipc transport without engines: the ipc transport's sender in this process, the worker side in
 another (spawned: a fresh interpreter that shares nothing with this one but the store's address and
 the shared-memory files) with a model runner that records what reload_weights got. Bit-exact
 tensors, buffers reused, every failure (a worker killed, a loader that raises, a sender that fails)
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_weight_sync import NAMED, RecordingRunner
-from weight_ipc import BUFFERS, IpcSender
+from ext.colocate import BUFFERS, IpcSender
 from weight_sync import WeightSyncWorker, plan_buckets, weight_meta
 
 FLOATS = [(n, t) for n, t in NAMED if t.is_floating_point()]
@@ -27,7 +27,7 @@ FLOATS = [(n, t) for n, t in NAMED if t.is_floating_point()]
 
 def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tensor: int = -1,
             device: str = "cpu", visible: str | None = None):
-    """Engine 0's worker: one receive_weights_ipc per spec; what was loaded, and the slots' addresses
+    """Engine 0's worker: one receive_weights (the ipc receiver: engine 0, first rank 1) per spec; what was loaded, and the slots' addresses
     (the sender's buffers as this process mapped them), saved after each; an error, saved too.
     device, visible: a GPU worker's device and CUDA_VISIBLE_DEVICES (as an engine's worker has)."""
     if visible is not None:
@@ -45,7 +45,7 @@ def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tenso
         w.model_runner.reload_weights = failing
     for k, spec in enumerate(specs):
         try:
-            out_k = w.receive_weights_ipc(spec, 0, meta)
+            out_k = w.receive_weights(spec, 1, meta)
         except Exception as e:
             Path(f"{out}.error").write_text(str(e))
             raise SystemExit(1)
@@ -154,7 +154,7 @@ def test_a_sender_that_fails_ends_the_worker_at_once_naming_the_bucket(tmp_path)
 
 SENDER = """
 import sys, torch
-from weight_ipc import IpcSender
+from ext.colocate import IpcSender
 from weight_sync import weight_meta
 named = [("w", torch.randn(1 << 18))]
 s = IpcSender(timeout_s=60, bucket_bytes=1 << 20)

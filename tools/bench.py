@@ -48,7 +48,7 @@ def problems(seed: int, median: float, sigma: float, cap: int):
 
 async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer) -> dict:
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, rl_step, run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
     from weight_sync import weight_meta
 
@@ -71,7 +71,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
         step_times, stale = [], []
         for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
             t0 = time.perf_counter()
-            info = (await rl_step(ctrl, train, send, meta, group)).info
+            info = (await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, meta, group)).info
             if args.verbose:
                 print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, "
                       f"wait {info['time_wait_rollout']:.2f}s, "

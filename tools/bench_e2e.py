@@ -186,19 +186,22 @@ def lockstep(args, seed: int) -> dict:
     import tiny_model
     from buffer import RolloutTask
     from controller import problem_stream
-    from deadline import EnvDeadline
-    from rollout import RolloutConfig, run_trajectory
-    from envs import ENVS, FaultConfig, PromptFormat
+    from ext.calc import ensure_calc_model
+    from ext.deadlines import DeadlineConfig, EnvDeadline
+    from ext.faults import FaultConfig
+    from ext.verifiers import VerifierConfig
+    from rollout import ENVS, PromptFormat, RolloutConfig, run_trajectory
     from losses import group_advantages
     from trainer import TrainConfig, Trainer
     from transformers import AutoTokenizer
 
     t_start = time.monotonic()
     torch.set_num_threads(os.cpu_count())
-    model_dir = str(tiny_model.ensure_tiny_model(tiny_model.CALC_DIR, tiny_model.CALC)
-                    if args.env == "calc" else tiny_model.ensure_tiny_model())
+    model_dir = str(ensure_calc_model() if args.env == "calc" else tiny_model.ensure_tiny_model())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rc = RolloutConfig(max_tokens=args.max_tokens).resolved(model_dir, "cpu", True, False, args.env)
+    # (as train.py resolves them: --env calc's replies get 16 tokens)
+    rc = RolloutConfig(max_tokens=args.max_tokens or (16 if args.env == "calc" else 0)).resolved(model_dir, "cpu",
+                                                                                                 True)
     fmt = PromptFormat(tok, rc.chat_template)
     trainer = Trainer(model_dir, TrainConfig(loss=args.loss, lr=args.lr, micro_batch=args.micro_batch,
                                              seed=seed))
@@ -206,7 +209,7 @@ def lockstep(args, seed: int) -> dict:
     problems = problem_stream(None, seed, make=task.make_problem)
     wrap = FaultConfig(env_latency_s=args.env_latency_s, env_latency_sigma=args.env_latency_sigma,
                        env_hang_rate=args.env_hang_rate).wrapper(seed * 1000) or (lambda env: env)
-    deadline = EnvDeadline.of(rc)           # shared by all steps, as a rollout rank's
+    deadline = EnvDeadline.of(rc, DeadlineConfig(), VerifierConfig().reward_timeout_s)   # as a rollout rank's
     B, G, pad_id = args.batch_groups, args.group_size, tok.pad_token_id
     step_times, rewards, turns, failed = [], [], [], 0
     for step in range(args.naive_steps):

@@ -56,9 +56,9 @@ AUTHKEY = b"bench-rollout"
 
 # cProfile's functions by file -> the component they belong to (first match wins)
 COMPONENTS = [("fake engine (excluded)", ("fake_engine.py",)), ("proxy", ("proxy.py",)),
-              ("env manager, trajectories", ("env_manager.py",)), ("env, reward, prompt format",
-                                                                   ("envs.py", "task.py")),
+              ("env manager, trajectories", ("env_manager.py", "rollout.py")),    # (rollout.py: the prompt format)
               ("timeline events", ("timeline.py",)),
+              ("reward, ext/ envs", ("task.py", "/ext/")),
               ("queue client (pickle, sockets, its threads)",
                ("buffer.py", "multiprocessing", "pickle", "socket", "concurrent/futures", "threading")),
               ("tokenizer decode", ("tokenizers", "transformers")),
@@ -101,7 +101,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager, RolloutConfig
     from proxy import LLMProxy
-    from timeline import RankEvents
+    from ext.timeline import RankEvents
     from tools.fake_engine import FakeTimedEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model.ensure_tiny_model(log=lambda *a: None)))
@@ -113,7 +113,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
     proxy = LLMProxy(engine, rank=0, timeout_s=60)
     proxy.events = RankEvents(0)
     cfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=args.max_len,
-                        max_model_len=args.max_len + 64, stream_interval=interval, reward_workers=0)
+                        max_model_len=args.max_len + 64, stream_interval=interval)
     manager = EnvManager(proxy, buffer, tokenizer, 0, cfg, async_ratio=1_000_000)
     gc.freeze()         # as train.py's rollout rank after its start-up
     run = asyncio.ensure_future(manager.run())
@@ -375,8 +375,8 @@ def main():
     ap.add_argument("--fast-step-ms", type=float, default=4.0, help="--before: the faster engine's step, ms")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    import quiet
-    quiet.setup()
+    from runlog import quiet
+    quiet()
     if args.before:
         if not (Path(args.before) / "tools" / "bench_rollout.py").exists():
             raise SystemExit(f"bench_rollout: --before {args.before}: no tools/bench_rollout.py there "

@@ -101,7 +101,7 @@ def case_logprobs(batch: int, seq: int, vocab: int, mode: str, hidden: int = 256
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from microbatch import PolicyNet, token_logprobs
+    from model import PolicyNet, token_logprobs
     torch.manual_seed(0)
     heads = hidden // 64
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -126,7 +126,7 @@ def case_checkpointing(tokens: int, seq: int, on: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from microbatch import PolicyNet, token_logprobs
+    from model import PolicyNet, token_logprobs
     model = AutoModelForCausalLM.from_pretrained(MODEL_103M, dtype=torch.float32).train()
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -253,7 +253,7 @@ def logprobs(args) -> dict:
 def packing(args) -> dict:
     import random
 
-    from microbatch import pack_by_tokens, padded_share, split
+    from model import pack_by_tokens, padded_share, split
     rng = random.Random(0)
     # prompt ~300 tokens + a lognormal response (median 1k, a long tail up to the 32k context)
     lengths = [min(32768, 300 + int(rng.lognormvariate(7.0, 1.2))) for _ in range(args.samples)]
@@ -298,7 +298,7 @@ def memplan_check(args) -> dict:
 
     from transformers import AutoConfig
 
-    import memplan
+    from ext import memplan
     import train
     hf = AutoConfig.from_pretrained(MODEL_103M)
     out = {}

@@ -9,19 +9,19 @@ The models are built here with random weights from Qwen2Config: Qwen2.5-0.5B's a
 recorded in the JSON whether it passes or fails (one failure does not stop the others):
 
   build       the two model dirs
-  ipc         weight_ipc: the 0.5B's weights from the trainer (fp32) to a worker process (spawned, as an
+  ipc         ext/colocate.py's ipc: the 0.5B's weights from the trainer (fp32) to a worker process (spawned, as an
               engine's worker is) in bfloat16 through two reused buckets: CUDA IPC on a GPU (shared memory on
               CPU), bit-exact (sha256 per tensor), the embedding (272 MB) larger than a 64 MiB bucket; GB/s
   fsdp        FSDP2 on one rank (Trainer(fsdp=True): the multi-rank path on a group of one), bf16: float32
               sharded masters, bfloat16 compute, the probe against a float32 forward within bf16's probe
               tolerance, a step, save_checkpoint, a resumed trainer (weights bit-exact, optimizer loaded)
               taking the same next step as the original
-  stream      the streaming trainer's step (TrainerRanks.stream_*, stream.py) on that FSDP trainer over a
+  stream      the streaming trainer's step (ext/stream_trainer.py's ops on TrainerRanks) on that FSDP trainer over a
               group of one (NCCL on a GPU), against train_step on the same batch
-  logprobs    one fwd+bwd of log-probs: microbatch.PolicyNet's LM-head chunks against full [B, T, V] logits,
+  logprobs    one fwd+bwd of log-probs: model.PolicyNet's LM-head chunks against full [B, T, V] logits,
               peak memory and the values
   train_X     the one-rank trainer (bf16, checkpointing on: a GPU's defaults) on model X, two timed steps
-  memplan_X   memplan.trainer_bytes per component against train_X's tensors, its total against the peak
+  memplan_X   ext/memplan.trainer_bytes per component against train_X's tensors, its total against the peak
   throughput_X  train_X's tokens/s and MFU (model FLOPs over the GPU's dense bf16 peak)
   no_vllm     nothing imported vLLM (it is made unimportable here, as on the GPU image)
 
@@ -221,11 +221,11 @@ def check_build(ctx: Ctx, rec: dict):
 
 
 def _ipc_worker(specs: list, meta, device: str, out: str):
-    """An engine worker's side of weight_ipc (spawned): receive each sync, hash every tensor it yields."""
+    """An engine worker's side of the ipc transport (spawned): receive each sync, hash every tensor it yields."""
     forbid_vllm()
     import torch
 
-    from weight_ipc import IpcReceiver, connect
+    from ext.colocate import IpcReceiver, connect
     from weight_sync import GroupSpec
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -246,7 +246,7 @@ def check_ipc(ctx: Ctx, rec: dict):
     import torch
 
     from trainer import Trainer
-    from weight_ipc import BUFFERS, IpcSender
+    from ext.colocate import BUFFERS, IpcSender
     from weight_sync import plan_buckets, weight_meta
     tr = Trainer(ctx.model_dir(ctx.small), train_config(ctx, precision="fp32"), None, ctx.device)
     named = tr.named_weights()
@@ -295,7 +295,7 @@ def check_fsdp(ctx: Ctx, rec: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from microbatch import causal_lm, token_logprobs
+    from model import causal_lm, token_logprobs
     from runlog import PROBE_TOLERANCE
     from trainer import Trainer
     path = ctx.model_dir(ctx.small)
@@ -351,8 +351,9 @@ def check_fsdp(ctx: Ctx, rec: dict):
 def check_stream(ctx: Ctx, rec: dict):
     import torch
 
+    from ext.stream_trainer import RanksStream
+    from ranks import TrainerRanks
     from trainer import Trainer
-    from trainer_ranks import TrainerRanks
     path = ctx.model_dir(ctx.small)
     cfg = train_config(ctx)
     whole = Trainer(path, cfg, ctx.group(), ctx.device, fsdp=True)
@@ -360,11 +361,11 @@ def check_stream(ctx: Ctx, rec: dict):
     before = full_state(whole)
     samples, adv = batch(ctx, 3)
     mw = whole.train_step(samples, adv, version=0)
-    ranks = TrainerRanks(streamed, 1, ctx.group(), str(ctx.work), path, [1, 2])
-    ranks.stream_begin(0)
+    stream = RanksStream(TrainerRanks(streamed, 1, ctx.group(), str(ctx.work), path, [1, 2]), lambda v: False)
+    stream.begin_now(0)
     for g in range(0, len(samples), 4):                 # a group of 4 at a time, as they would arrive
-        ranks.stream_add(samples[g:g + 4], adv[g:g + 4])
-    ms, _ = ranks.stream_step(probe=False)
+        stream.add_now(samples[g:g + 4], adv[g:g + 4])
+    ms, _ = stream.step_now(probe=False)
     grad = rel_diff(grads(whole), grads(streamed))
     a, b = full_state(whole), full_state(streamed)
     update = rel_diff({n: a[n] - before[n] for n in a}, {n: b[n] - before[n] for n in b})
@@ -385,8 +386,8 @@ def check_logprobs(ctx: Ctx, rec: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import memplan
-    from microbatch import PolicyNet, token_logprobs
+    from ext import memplan
+    from model import PolicyNet, token_logprobs
     path, m = ctx.model_dir(ctx.small), ctx.m
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ctx.device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -485,7 +486,7 @@ def check_train(ctx: Ctx, rec: dict, name: str):
 
 
 def check_memplan(ctx: Ctx, rec: dict, name: str):
-    import memplan
+    from ext import memplan
     if name not in ctx.trained:
         raise RuntimeError(f"no measurement: train_{name} failed")
     got, m = ctx.trained[name], ctx.m

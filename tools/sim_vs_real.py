@@ -118,7 +118,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
     from tools import bench
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, rl_step, run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
     from env_manager import EnvManager, RolloutConfig
     from weight_sync import weight_meta
 
@@ -147,7 +147,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
         times, utils, waits, syncs = [], [], [], []
         for step in range(args.steps + 1):                  # step 0: warm-up, not counted
             t = loop.time()
-            s = await rl_step(ctrl, train, send, meta, group)
+            s = await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, meta, group)
             if step == 0:
                 t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
             else:

@@ -63,8 +63,8 @@ def engine_rounds(args):
 
     import psutil
 
-    import quiet
-    quiet.setup()
+    from runlog import quiet
+    quiet()
     import tiny_model
     from proxy import LLMProxy, Sampling
 

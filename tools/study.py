@@ -57,7 +57,8 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     initial policy's evaluation alone)."""
     import task
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, problem_stream, rl_step, run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step, run_local
+    from ext.eval import Evaluation
     from env_manager import EnvManager, RolloutConfig
     from trainer import TrainConfig, Trainer
     from weight_sync import push, weight_meta
@@ -88,12 +89,13 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
         await ctrl.wait_ready()
         rows = []
         for _ in range(steps):
-            step = await rl_step(ctrl, train, send, meta, group)
+            step = await rl_step(ctrl, WholeBatch(train, args.group_size), send, meta, group)
             rows.append({**step.info, **step.metrics})
         await ctrl.finish_sync()
         # the final weights
-        await ctrl.start_eval(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)
-        return rows, await ctrl.finish_eval()
+        ev = Evaluation(ctrl)
+        await ev.start(task.make_problems(args.eval_prompts, seed=1_000_003), args.eval_k)
+        return rows, await ev.finish()
 
     rows, evaluation = await run_local(ctrl, [manager], loop(), timeout_s=300 * (steps + 2))
     result = {"loss": loss, "async_ratio": ratio, "seed": seed, "sample_order": order,
@@ -180,8 +182,8 @@ async def main(args):
     if args.plot_only:            # redraw from the study.json of an earlier run
         data = json.loads((Path(args.out_dir) / "study.json").read_text())
         return plot(data["runs"], Path(args.out_dir) / "study.png", data["initial"])
-    import quiet
-    quiet.setup()                 # before vLLM loads: library logs at warning level
+    from runlog import quiet
+    quiet()                       # before vLLM loads: library logs at warning level
     from transformers import AutoTokenizer
 
     import tiny_model
