@@ -36,6 +36,20 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check(cfg, at_least: dict = {}, above: dict = {}, one_of: dict = {}):
+    """A config's validation, naming the flag: each field of at_least >= its value, of above > its value,
+    of one_of among its values."""
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(cfg, name)!r}")
+    for name, low in above.items():
+        if not getattr(cfg, name) > low:
+            raise ValueError(f"{flag(name)} must be > {low}, got {getattr(cfg, name)!r}")
+    for name, allowed in one_of.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{flag(name)} must be one of {', '.join(map(str, allowed))}, got {getattr(cfg, name)!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # extensions
 
@@ -121,6 +135,9 @@ class Extension:
     def on_controller(self, ctrl, state: dict | None):
         """The controller is built (state: the checkpoint's on a resume): taps, events, trackers."""
 
+    def sync_recovery(self):
+        """What the controller does when a broadcast fails or an engine is replaced (ext/recovery.py)."""
+
     async def before_train(self, ctrl):
         """Before each whole batch trains (--colocate: the engines sleep)."""
 
@@ -157,6 +174,9 @@ class Extension:
 
     def on_proxy(self, proxy, index: int, t_start: float):
         """The rank's proxy is up (its engine started at t_start, time.time())."""
+
+    def engine_recovery(self, restart_engine):
+        """What replaces this rank's engine when it dies (ext/recovery.py), given restart_engine() -> a new one."""
 
     def env_wrapper(self, index: int):
         """(env) -> env, for every env rollout rank `index` makes (injected faults)."""

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Lost, Phase, RolloutTask, SampleBuffer
-from config import flag, opt
+from config import check, flag, opt
 from losses import estimate_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
 from task import Problem
@@ -59,20 +59,9 @@ class ControllerConfig:
                                            "rank's connect to the queue server, the engines' READY")
     heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
     def __post_init__(self):
-        for name, low in (("batch_groups", 1), ("group_size", 1), ("async_ratio", 0), ("redundant", 0),
-                          ("env_redundancy", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
-        if self.sample_order not in ORDERS:
-            raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {self.sample_order!r}")
-        if self.rollout_mode not in ("queue", "batch"):
-            raise ValueError(f"--rollout-mode must be 'queue' or 'batch', got {self.rollout_mode!r}")
-        if self.max_gen_batches < 0 or self.on_max_gen_batches not in ("error", "train"):
-            raise ValueError(f"--max-gen-batches must be >= 0 and --on-max-gen-batches 'error' or 'train', "
-                             f"got {self.max_gen_batches} and {self.on_max_gen_batches!r}")
-        for name in ("timeout_s", "startup_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        check(self, at_least=dict(batch_groups=1, group_size=1, async_ratio=0, redundant=0, env_redundancy=0,
+                                  max_gen_batches=0), above=dict(timeout_s=0, startup_timeout_s=0),
+              one_of=dict(sample_order=ORDERS, rollout_mode=("queue", "batch"), on_max_gen_batches=("error", "train")))
         if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
                              f"always has all-equal rewards, so every group would be filtered and no batch "
@@ -135,7 +124,7 @@ class Admission:
 class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
                  version: int = 0, prompt_len=None, max_model_len: int = 0, log=None,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, recovery=None):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
@@ -170,9 +159,11 @@ class AsyncController:
         self.send_fn, self.meta, self.group = None, None, None
         self.probe_ref = None                  # trainer's probe logprobs of the last sync (None: not probed)
         self.gen = 0                           # the weight-sync group's generation: +1 per replaced engine
-        self.resyncs = 0                       # syncs done again for replaced engines
         self.sends = 0                         # broadcasts started (every attempt)
-        self._t_replaced_check = 0.0
+        # what syncs a replaced engine and retries a broadcast an engine died under (ext/recovery.py); None:
+        # a failed broadcast ends the run
+        self.recovery = recovery
+        self._t_recovery = 0.0
         # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
@@ -270,9 +261,9 @@ class AsyncController:
             waited = now() - t_progress
             if waited > cfg.timeout_s:
                 raise TimeoutError(self._stall_report(before))
-            if now() - self._t_replaced_check >= 1.0:
-                self._t_replaced_check = now()
-                await self._serve_replaced()             # a replaced engine waits for weights
+            if self.recovery is not None and now() - self._t_recovery >= 1.0:
+                self._t_recovery = now()
+                await self.recovery.serve(self)          # a replaced engine waits for weights
             try:
                 s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
             except TimeoutError:
@@ -467,21 +458,12 @@ class AsyncController:
         return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
                 **report}
 
-    def _take_replaced(self) -> int:
-        """Drop the REPLACED acks received so far; returns how many there were."""
-        self.acks += self.buffer.get_acks_nowait()
-        n = sum(a.phase == Phase.REPLACED for a in self.acks)
-        self.acks = [a for a in self.acks if a.phase != Phase.REPLACED]
-        return n
-
     async def _send_weights(self, version: int, probe: bool):
-        """SYNC to every rank, then the broadcast. A replaced engine cannot enter the group its
-        predecessor was in: then every member forms a new one (generation + 1). A broadcast that
-        fails (an engine died under it: every member's receive fails) is done once more over a new
-        group, once every rank has acked that its engine waits for weights."""
-        if self._take_replaced():
-            self.gen += 1
-        for attempt in (1, 2):
+        """SYNC to every rank, then the broadcast. One that fails raises, unless the recovery (ext/recovery.py)
+        says to send it again (an engine died under it; it may move the group to a new generation)."""
+        if self.recovery is not None:
+            self.recovery.before_send(self)
+        for attempt in itertools.count(1):
             self.sends += 1           # (the ipc transport's keys: one sequence number per broadcast)
             group = self.group.with_gen(self.gen, self.sends) if self.group is not None else None
             for r in range(self.num_ranks):
@@ -494,36 +476,8 @@ class AsyncController:
                     await asyncio.to_thread(self.send_fn, group)
                 return
             except Exception as e:
-                if attempt == 2:
+                if self.recovery is None or not await self.recovery.send_failed(self, e, version, attempt):
                     raise
-                error = e
-            acks = await self._wait_acks(Phase.SYNCED, version)
-            if not any(a.needs_weights for a in acks):
-                raise error                                  # the trainer's side failed, not an engine
-            if self.log:
-                self.log(f"weight sync to version {version}: the broadcast failed ({error}); sending again "
-                         f"over a new group")
-            self._take_replaced()
-            self.gen += 1
-            self.resyncs += 1
-
-    async def _serve_replaced(self):
-        """An engine replaced after the first sync waits, suspended, for the current weights: sync
-        the current version again over a new group (every engine reloads it; engines are rarely
-        replaced), probed when the last sync was. Its acks are awaited here; the sync in flight, if
-        any, is finished first, and the next report carries the resync's probe."""
-        self.acks += self.buffer.get_acks_nowait()
-        if self.send_fn is None or not any(a.phase == Phase.REPLACED for a in self.acks):
-            return
-        if self.in_flight is not None:
-            self.unreported = await self.finish_sync()
-        if self.log:
-            self.log(f"a rollout engine was replaced: syncing version {self.version} again over a new group")
-        self.resyncs += 1
-        await self._send_weights(self.version, probe=self.probe_ref is not None)
-        acks = await self._wait_acks(Phase.SYNCED, self.version)
-        if self.probe_ref is not None:
-            self.unreported["sync_probe_max_diff"] = probe_diff(acks, self.probe_ref)
 
     async def finish_sync(self) -> dict:
         """Wait for the SYNCED acks of the sync in flight, if any, and report what they carry:
@@ -703,28 +657,3 @@ async def rl_step(ctrl: AsyncController, backend, send_fn, meta=None, group=None
     train_s = now() - t
     sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, meta, probe_ref, group)   # postprocess
     return Step(batch, info, metrics, sync, train_s)
-
-
-async def run_local(ctrl: AsyncController, managers: list, driver, timeout_s: float):
-    """The rollout ranks as tasks of this event loop beside `driver` (a coroutine: the trainer's loop),
-    for the in-process runners. A manager that crashes ends the run with its error; when the driver
-    returns, the controller stops the managers. The whole run is bounded by timeout_s (event-loop
-    seconds). Returns the driver's result."""
-    runs = [asyncio.ensure_future(m.run()) for m in managers]
-    main = asyncio.ensure_future(driver)
-    pending, deadline = {main, *runs}, now() + timeout_s
-    while not main.done():
-        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - now()),
-                                           return_when=asyncio.FIRST_COMPLETED)
-        failed = [t for t in done if t.exception() is not None]
-        if failed or not done:
-            for t in [main, *runs]:
-                t.cancel()
-            await asyncio.gather(main, *runs, return_exceptions=True)
-            if failed:
-                raise failed[0].exception()
-            raise TimeoutError(f"run_local: the trainer's loop did not end within {timeout_s:.0f}s")
-    await ctrl.stop()
-    async with asyncio.timeout(max(0.0, deadline - now())):
-        await asyncio.gather(*runs)
-    return main.result()

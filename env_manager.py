@@ -34,8 +34,9 @@ from task import load_reward
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
                  async_ratio: int = 2, sync_timeout_s: float = 600.0, probe_ids: list[int] | None = None,
-                 env_wrappers=None, restart_engine=None, scorer=None, deadline=None):
-        """env_wrappers: (env) -> env, applied to every env (ext/faults.py); scorer: what scores answers
+                 env_wrappers=None, recovery=None, scorer=None, deadline=None):
+        """env_wrappers: (env) -> env, applied to every env (ext/faults.py); recovery: what replaces a dead
+        engine (ext/recovery.py), None: an engine failure ends the rank; scorer: what scores answers
         (ext/verifiers.py's pool: score, stats, shutdown), None: inline; deadline: the env calls' (ext/
         deadlines.py's adaptive one), None: a fixed --env-step-timeout-s."""
         self.proxy = proxy
@@ -54,15 +55,9 @@ class EnvManager:
         self.group_taken_at: dict[str, float] = {}
         self.probe_ids = probe_ids              # token ids scored after a load if a SYNC asks (Command.probe)
         self.env_wrappers = env_wrappers
-        # async () -> a new engine backend; None: an engine failure ends run()
-        self.restart_engine = restart_engine
+        self.recovery = recovery
         self.synced = False                     # a sync loaded weights that the model dir does not have
-        self.gen_seen = -1                      # the newest weight-sync group generation a SYNC named
-        self.min_gen = 0                        # the oldest this engine may join (a replaced one: newer)
-        self.engine_failure: EngineError | None = None   # set by a trajectory that saw the engine fail
-        self.lost: list[RolloutTask] = []       # tasks whose work died with the engine
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
-        self.recovering = False                 # _recover is replacing the engine (the loop starts no task)
         self.deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)   # every env call's
         self.scorer = scorer
         self.reward_fn = (scorer.score if scorer
@@ -119,12 +114,12 @@ class EnvManager:
                 task, self.sync_task = self.sync_task, None
                 task.result()      # a failed sync ends the rank, as it did when awaited here
             # (a sync that sees the engine fail recovers it itself; after it, what is left is ours)
-            if self.engine_failure is not None and self.sync_task is None:
-                await self._recover(self.engine_failure)
+            if self.recovery is not None and self.sync_task is None:
+                await self.recovery.recover_pending(self)
             # during a sync, tasks start only while the engine is suspended (they generate after the
             # resume: see _handle), and not while it replaces a dead engine (they would fail with it)
-            may_start = (self.sync_task is None
-                         or (self.proxy.status == Status.SUSPENDED and not self.recovering))
+            may_start = (self.sync_task is None or (self.proxy.status == Status.SUSPENDED and not
+                                                    (self.recovery is not None and self.recovery.busy)))
             # one round trip: the finished samples out; in, the next command (one at a time, in order:
             # the next waits for the sync in flight) and, with free slots and none held, tasks for them
             samples, self.outbox = self.outbox, []
@@ -199,15 +194,13 @@ class EnvManager:
     async def _sync(self, cmd: Command, running: set[str]):
         """The rollout side of a weight update (module docstring); the controller waits for its ack.
         Only the tasks in `running` can be stale (see _handle).
-        A failed broadcast: SYNCED says needs_weights, and the engine (a new one if it died, acked
-        REPLACED) waits suspended for the controller's next SYNC."""
+        A failed broadcast ends the rank, or with a recovery (ext/recovery.py): SYNCED says needs_weights,
+        and the engine (a new one if it died, acked REPLACED) waits suspended for the controller's next SYNC."""
         v, t0 = cmd.version, now()
         first_rank = 1 + self.rank * (cmd.group.workers_per_engine if cmd.group else 1)
         probe, t1 = None, t0
-        if cmd.group is not None:
-            self.gen_seen = max(self.gen_seen, cmd.group.gen)
-            if cmd.group.gen < self.min_gen:   # formed with the engine this one replaced: never join it
-                return await self._ack_synced(v, {"receive_s": 0.0, "load_s": 0.0}, needs_weights=True)
+        if cmd.group is not None and self.recovery is not None and not self.recovery.may_join(cmd.group.gen):
+            return await self._ack_synced(v, {"receive_s": 0.0, "load_s": 0.0}, needs_weights=True)
         try:
             await self.proxy.suspend(self.cfg.suspend_mode)
             t1 = now()
@@ -221,18 +214,9 @@ class EnvManager:
             await self._abort(stale, "aborted_stale", notice=Lost.STALE)
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:
-            # The broadcast failed. If this engine died, a new one; if another member did (the group
-            # broke: every receive fails), this engine lives on. Either way it holds part of the
-            # weights at most: it stays suspended, and the controller syncs again over a new group.
-            self.synced = True     # (whatever it loaded, the model dir's weights are not version v)
-            t2 = now()
-            group_broke = "weight-sync" in str(e) and not getattr(self.proxy.engine, "dead", False)
-            if not group_broke:
-                await self._recover(e, report=False)
-            await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0}, needs_weights=True)
-            if not group_broke:
-                await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
-            return
+            if self.recovery is None:
+                raise
+            return await self.recovery.sync_failed(self, e, v, t0, t1)
         vllm_load = max((w["total_s"] - w["wait_s"] for w in workers or []), default=0.0)   # (the fake: none)
         await self._ack_synced(v, {"receive_s": t2 - t1, "load_s": now() - t0, "vllm_load_s": vllm_load},
                                probe=probe)
@@ -302,41 +286,11 @@ class EnvManager:
         self.jobs.pop(t.task_id, None)
         self.trajs.pop(t.task_id, None)
         exc = None if job.cancelled() else job.exception()
-        if isinstance(exc, EngineError) and self.restart_engine is not None:
-            self.lost.append(t)               # the engine died under it: recovered by the control loop
-            self.engine_failure = self.engine_failure or exc
+        if isinstance(exc, EngineError) and self.recovery is not None:
+            self.recovery.lose(t, exc)        # the engine died under it: recovered by the control loop
         elif isinstance(exc, Exception) and not isinstance(exc, Aborted) and self.error is None:
             self.error = exc
         self.wake.set()
-
-    async def _recover(self, failure: EngineError, report: bool = True):
-        """The engine died or hung (failure): every trajectory in flight is lost. Report each lost
-        sample as given up (its group is lost; the controller re-admits the prompt) and start a new
-        engine. Before the first sync the model dir's weights are the current ones: resume. After
-        it, the new engine waits suspended for weights: ack REPLACED (when `report`), and the
-        controller's next SYNC loads them. With no restart_engine, the failure ends run()."""
-        if self.restart_engine is None:
-            raise failure
-        self.recovering = True     # (a sync's recovery: the loop, running beside it, starts no task)
-        try:
-            jobs = list(self.jobs.values())
-            for t, job in jobs:
-                job.cancel()
-            await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s) if jobs else None
-            for t in self.lost + [t for t, _ in jobs]:
-                self.counters["samples_lost_to_engine"] += t.num_samples
-                self._give_up(t, f"engine lost: {failure}", engine_lost=True)
-            self.lost, self.engine_failure = [], None
-            await self._flush()
-            self.proxy.replace_engine(await self.restart_engine())
-        finally:
-            self.recovering = False
-        self.min_gen = self.gen_seen + 1        # its workers may only join a group formed after this
-        self.counters["engine_restarts"] += 1
-        if not self.synced:
-            await self.proxy.resume()
-        elif report:
-            await self.buffer.put_ack(Ack(self.rank, Phase.REPLACED, self.proxy.version))
 
     def _oldest_version(self, task_id: str) -> int:
         trajs = self.trajs.get(task_id, {})

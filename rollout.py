@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import task
 from buffer import RolloutTask, Sample
-from config import flag, opt
+from config import check, opt
 from proxy import Sampling, now
 
 
@@ -65,24 +65,12 @@ class RolloutConfig:
     stop_timeout_s: float = opt(60.0, "on stop or abort, wait this long for cancelled trajectories to unwind")
 
     def __post_init__(self):
-        def bad(name, rule):
-            return ValueError(f"{flag(name)} (RolloutConfig.{name}) must be {rule}, "
-                              f"got {getattr(self, name)!r}")
-        for name in ("max_concurrency", "max_turns", "stream_interval"):
-            if getattr(self, name) < 1:
-                raise bad(name, ">= 1")
-        for name in ("max_tokens", "max_model_len", "max_retries"):
-            if getattr(self, name) < 0:
-                raise bad(name, ">= 0 (0 = from the model)" if name.startswith("max_") else ">= 0")
-        for name in ("temperature", "env_step_timeout_s", "poll_s", "stop_timeout_s", "kv_cache_gib"):
-            if getattr(self, name) <= 0:
-                raise bad(name, "> 0")
-        if not 0 <= self.gpu_memory_utilization <= 1:
-            raise bad("gpu_memory_utilization", "in [0, 1] (0 = auto)")
-        if self.suspend_mode not in ("keep", "abort"):
-            raise bad("suspend_mode", "'keep' or 'abort'")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise bad("dtype", "auto, float32, bfloat16 or float16")
+        check(self, at_least=dict(max_concurrency=1, max_turns=1, stream_interval=1, max_tokens=0, max_model_len=0,
+                                  max_retries=0, gpu_memory_utilization=0),
+              above=dict(temperature=0, env_step_timeout_s=0, poll_s=0, stop_timeout_s=0, kv_cache_gib=0),
+              one_of=dict(suspend_mode=("keep", "abort"), dtype=("auto", "float32", "bfloat16", "float16")))
+        if self.gpu_memory_utilization > 1:
+            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0 = auto), got {self.gpu_memory_utilization}")
 
     def resolved(self, model_dir: str, device: str, embedded: bool) -> "RolloutConfig":
         """The settings that default to the model's (context, reply length) and the device's (dtype)."""

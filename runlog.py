@@ -1,39 +1,24 @@
-"""runlog.py: what a run prints and records. Rank 0's record of a run (metrics.jsonl, the step line, the
-summary), and the quiet defaults every rank starts with.
+"""runlog.py: what a run records and prints on trainer rank 0: metrics.jsonl, the step line, the summary.
 
-    quiet(verbose=False)                            # first thing on every rank: library logs at warning level
     log = RunLog(cfg, start_step, exts)             # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
     log.step(step, version, info, train, sync, time_train, time_step)  # row, hooks, progress line
     log.finish()                                    # the summary at the end
 
-Files in out_dir: metrics.jsonl (a row per step). Extensions see every row (Extension.on_row: trackers,
-the timeline), add to the step line (step_line) and to the summary (summary_lines, run_files).
+Files in out_dir: metrics.jsonl (a row per step), rollout_stats.json (at the end). Extensions see every
+row (Extension.on_row: trackers, the timeline), add to the step line (step_line) and to the summary
+(summary_lines, run_files). What every rank prints besides (library logs): ext/quiet.py.
 
 A weight sync overlaps the next step, so its numbers (synced_version, sync_probe_max_diff,
 rollout_utilisation, time_receive, time_engine_load, time_vllm_load) land in the next row;
 time_weight_sync is what the trainer itself spent on this step's sync.
-
-quiet(): left alone, a default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines. It
-changes only this process's environment, which the engine processes (spawned later by the rollout
-rank) inherit: vLLM at WARNING through a logging config that adds the filter KnownNoise (warnings in
-NOISE dropped, any other warning shown once per text template and counted after that), Hugging Face
-progress bars off, the engine processes' C++ warnings at error level and the Python warnings in
-PY_WARNINGS ignored. The engine processes apply the same filter from their first line on (QUIET_MARK;
-see the end of this file). Errors and every other warning still show; a variable the user set is never
-overridden; --verbose turns it all off. Why each entry of NOISE is harmless: DESIGN.md#what-a-run-prints
 """
 
 import asyncio
 import collections
-import hashlib
 import json
-import logging
-import logging.config
 import os
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 def print0(*args):
@@ -231,113 +216,3 @@ def trim_metrics(out_dir: str, step: int):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# quiet defaults: library logs at warning level, minus known noise
-
-NOISE = (
-    "Failed to load weights",
-    "[shutdown]",
-    "Triton is installed, but doesn't include CPU backend",
-    "Triton is not installed",
-    "Model Runner V2 requires Triton",
-    "Enforce eager set, disabling torch.compile",
-    "Inductor compilation was disabled",
-    "is not found in LD_PRELOAD",
-    "Reset SSM cache type",
-)
-
-# action:message:category:module (Python's -W syntax; the module must match in full)
-PY_WARNINGS = (
-    "ignore::FutureWarning:vllm.triton_utils.dispatcher",   # torch.distributed.reduce_op, inside vLLM
-    # vLLM's shared memory queue, left when its worker is killed at exit
-    "ignore:resource_tracker:UserWarning",
-)
-
-
-class KnownNoise(logging.Filter):
-    """Drops the records in NOISE, and repeats of any other record's text template (record.msg,
-    before its arguments are filled in), counting them in `repeats`."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
-        self.repeats = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        template = str(record.msg)
-        if any(n in template for n in NOISE):
-            return False
-        if template in self.seen:
-            self.repeats += 1
-            return False
-        self.seen.add(template)
-        return True
-
-
-def vllm_logging_config(level: str = "WARNING") -> dict:
-    """vLLM's logger hierarchy (the "vllm" logger) to stderr at `level`, through KnownNoise, in
-    vLLM's format less its process name (which needs vLLM's record factory, absent until vLLM
-    configures logging itself; the pid tells the processes apart)."""
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        # importable: vllm_engine.py puts this dir on PYTHONPATH
-        "filters": {"known_noise": {"()": "runlog.KnownNoise"}},
-        "formatters": {"vllm": {"format": "(vllm pid=%(process)d) %(levelname)s "
-                                          "%(asctime)s [%(filename)s:%(lineno)d] %(message)s",
-                                "datefmt": "%m-%d %H:%M:%S"}},
-        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
-                              "filters": ["known_noise"], "stream": "ext://sys.stderr"}},
-        "loggers": {"vllm": {"handlers": ["vllm"], "level": level, "propagate": False}},
-    }
-
-
-def write_config(config: dict) -> str:
-    """The config as a JSON file vLLM can read; the path is named by the content, so every rank
-    writes (or reuses) the same small file and none piles up."""
-    text = json.dumps(config, indent=1)
-    path = os.path.join(tempfile.gettempdir(),
-                        f"roll-flash-nano-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)          # atomic: a rank never reads a half-written file
-    return path
-
-
-QUIET_MARK = "ROLL_FLASH_QUIET"     # set by quiet(): this process and its children filter vLLM's logs
-
-
-def _filter_now():
-    """Apply the filter in this process at once, so that vLLM's import-time warnings (printed before
-    vLLM configures its logging from VLLM_LOGGING_CONFIG_PATH) pass it too."""
-    logging.config.dictConfig(vllm_logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
-
-
-def quiet(verbose: bool = False):
-    """Quiet defaults for this process and the processes it starts (module docstring)."""
-    if verbose:
-        return
-    env = os.environ
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if "VLLM_LOGGING_CONFIG_PATH" not in env:
-        env["VLLM_LOGGING_CONFIG_PATH"] = write_config(vllm_logging_config(env["VLLM_LOGGING_LEVEL"]))
-        env[QUIET_MARK] = "1"
-        _filter_now()
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if "PYTHONWARNINGS" not in env:
-        env["PYTHONWARNINGS"] = ",".join(PY_WARNINGS)
-        for spec in PY_WARNINGS:                      # this process too (PYTHONWARNINGS is read at start-up)
-            action, message, category, module = (spec.split(":") + [""])[:4]
-            warnings.filterwarnings(action, message, {"FutureWarning": FutureWarning,
-                                                      "UserWarning": UserWarning}[category], module)
-
-
-# vLLM's engine processes are spawned: each re-imports the main script (train.py, hence this module)
-# before it imports vLLM. Where quiet() ran in an ancestor, filter here too, before vLLM's import.
-if os.environ.get(QUIET_MARK) == "1":
-    _filter_now()

@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 import ext
 from buffer import ManagerQueues, SampleBuffer, die_with_parent, queue_bind
-from config import Extensions, extensions, opt, parse_cli, part
+from config import Extensions, check, extensions, opt, parse_cli, part
 from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step
 from env_manager import EnvManager, RolloutConfig
 from proxy import LLMProxy, Sampling
 from ranks import PROBE_TEXT, TrainerRanks, collective, init_distributed, pin_engine_gpu
 from rollout import PromptFormat
-from runlog import RunLog, print0, probe_verdict, quiet, start_line, start_metrics
+from runlog import RunLog, print0, probe_verdict, start_line, start_metrics
 from task import DataConfig, Problem
 from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
@@ -68,8 +68,6 @@ class Config:
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N "
                                     "syncs; 0 = never")
-    verbose: bool = opt(False, "show every library log line (vLLM INFO, progress bars); default: warnings "
-                               "and errors only")
     data: DataConfig = part(DataConfig)                   # --data, ...
     controller: ControllerConfig = part(ControllerConfig)  # --batch-groups, --async-ratio, --timeout-s, ...
     rollout: RolloutConfig = part(RolloutConfig)          # --max-concurrency, --max-tokens, --dtype, ...
@@ -81,10 +79,8 @@ class Config:
             raise ValueError(f"--resume must be no, yes or auto, got {self.resume!r}")
         if self.resume != "no" and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
-        for name, low in (("rollout_gpus", 1), ("train_gpus", 1), ("steps", 1), ("bucket_mb", 1),
-                          ("save_every", 0), ("check_sync_every", 0), ("time_limit_min", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        check(self, at_least=dict(rollout_gpus=1, train_gpus=1, steps=1, bucket_mb=1, save_every=0,
+                                  check_sync_every=0, time_limit_min=0))
         if self.weight_transport not in (names := ["auto", *TRANSPORTS]):
             raise ValueError(f"--weight-transport must be {', '.join(names[:-1])} or {names[-1]}, got "
                              f"{self.weight_transport!r}")
@@ -166,7 +162,8 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus,
                            version=state["version"] if state else 0,
                            prompt_len=lambda p: len(fmt.first(p.prompt)), max_model_len=cfg.rollout.max_model_len,
-                           log=print0, admission=exts.first("admission", cfg.controller))
+                           log=print0, admission=exts.first("admission", cfg.controller),
+                           recovery=exts.first("sync_recovery"))
     if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
         ctrl.admission.restore(ctrl, {k: [Problem(**p) for p in v] for k, v in state.items()
                                       if k in ("in_flight", "long_queue")})
@@ -202,13 +199,13 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
     pin_engine_gpu(device)            # GPU: the engine's processes see only this rank's GPU
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
-                  gpu_memory_utilization=rc.gpu_memory_utilization or 0.85, use_tqdm_on_load=cfg.verbose,
+                  gpu_memory_utilization=rc.gpu_memory_utilization or 0.85,
                   enforce_eager=True if rc.enforce_eager or device == "cpu" else None,
                   on_engine=lambda e: exts.call("on_engine", e))
     for args in exts.call("engine_args", model_dir, device, who):     # (LoRA, --colocate's sleep mode)
         engine.update(args)
 
-    async def restart_engine():   # after an engine failure (EnvManager._recover): a fresh one, same settings
+    async def restart_engine():   # after an engine failure (ext/recovery.py): a fresh one, same settings
         print(f"{who}: the engine failed; starting a new one", flush=True)
         return await VLLMEngine.start_async(model_dir, startup, who, **engine)
 
@@ -234,7 +231,8 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
             exts.call("on_proxy", proxy, index, t)              # (the timeline's recorder)
             wrappers = exts.call("env_wrapper", index)          # (injected faults)
             await EnvManager(proxy, buffer, tokenizer, index, rc, async_ratio=cfg.controller.async_ratio,
-                             sync_timeout_s=timeout, probe_ids=probe, restart_engine=restart_engine,
+                             sync_timeout_s=timeout, probe_ids=probe,
+                             recovery=exts.first("engine_recovery", restart_engine),
                              env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
                              if wrappers else None, scorer=exts.first("scorer"),
                              deadline=exts.first("env_deadline")).run()
@@ -251,9 +249,8 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
 def main():
     cfg = parse_cli(Config, doc=__doc__)
     export_startup_timeout(cfg.controller.startup_timeout_s)
-    quiet(cfg.verbose)                # before vLLM or transformers load: library logs at warning level
     exts = Extensions.start(cfg)
-    exts.call("before_launch")        # (--dry-run: the memory plan, then nothing else)
+    exts.call("before_launch")        # (library logs at warning level; --dry-run: the memory plan, then exit)
     die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
     if cfg.model and not state:       # (a resumed run loads its own checkpoint)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import losses
 import model as model_mod
-from config import flag, opt
+from config import check, opt
 from model import EMPTY, collate, pack_by_tokens, split, token_logprobs
 
 
@@ -70,20 +70,9 @@ class TrainConfig(losses.LossConfig):
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
     def __post_init__(self):
         super().__post_init__()
-        for name, low in (("micro_batch", 1), ("ppo_epochs", 1), ("mini_batches", 1), ("warmup_steps", 0),
-                          ("max_tokens_per_micro", 0), ("logits_chunk", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(self, name)}")
-        for name in ("lr", "grad_clip"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        for name, allowed in (("precision", ("auto", "bf16", "fp32")),
-                              ("grad_checkpointing", ("auto", "on", "off"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
+        check(self, at_least=dict(micro_batch=1, ppo_epochs=1, mini_batches=1, warmup_steps=0, max_tokens_per_micro=0,
+                                  logits_chunk=1, weight_decay=0), above=dict(lr=0, grad_clip=0),
+              one_of=dict(precision=("auto", "bf16", "fp32"), grad_checkpointing=("auto", "on", "off")))
 
     def resolved(self, device: str) -> "TrainConfig":
         """The settings that default to the device's: bf16 and activation checkpointing on GPU, not on CPU

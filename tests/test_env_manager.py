@@ -18,6 +18,7 @@ from ext.verifiers import RewardPool, VerifierConfig
 from rollout import ENVS, SingleTurnEnv
 from ext.games import ChainEnv, GuessEnv
 from ext.faults import EnvFault, FaultyEnv, LatencyEnv
+from ext.recovery import EngineRecovery, SyncRecovery
 from tools.fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy, Status
 from conftest import run_virtual
@@ -967,13 +968,14 @@ def test_reward_workers_process_pool(tok):
 
 
 def with_engine_restarts(m) -> list:
-    """Give manager m a restart_engine that starts fresh fake engines; returns the list they go in."""
+    """Give manager m a recovery (ext/recovery.py, as in a run) whose restart_engine starts fresh fake
+    engines; returns the list they go in."""
     fresh = []
 
     async def restart_engine():
         fresh.append(FakeTimedEngine(t0=STEP, k=0.0, seed=7, length_sampler=lambda rng: 5))
         return fresh[-1]
-    m.restart_engine = restart_engine
+    m.recovery = EngineRecovery(restart_engine)
     return fresh
 
 
@@ -1094,13 +1096,13 @@ def test_an_engine_that_dies_during_a_receive_is_replaced_once_with_tasks_starte
         buf = SampleBuffer(LocalQueues(1), "test")
         m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), load_s=10.0, length_sampler=lambda rng: 5)
         fresh = with_engine_restarts(m)
-        start_engine, restarting = m.restart_engine, asyncio.Event()
+        start_engine, restarting = m.recovery.restart_engine, asyncio.Event()
 
         async def slow_start():                     # an engine takes 5 s to start
             restarting.set()
             await asyncio.sleep(5.0)
             return await start_engine()
-        m.restart_engine = slow_start
+        m.recovery.restart_engine = slow_start
         m.proxy.engine.dead = False                 # (the backend can tell when its process dies)
         receiving = watch_receive(m)
         run = asyncio.create_task(m.run())
@@ -1140,9 +1142,12 @@ def controller_with_ranks(tok, num_ranks=2, **engine_kwargs):
     buf = SampleBuffer(LocalQueues(num_ranks), "test")
     problems = (Problem("1+1=", "2", target_len=5) for _ in itertools.count())
     ctrl = AsyncController(ControllerConfig(batch_groups=1, group_size=2, filter_groups=False, async_ratio=1,
-                                            redundant=0, timeout_s=600), buf, problems, num_ranks)
+                                            redundant=0, timeout_s=600), buf, problems, num_ranks,
+                           recovery=SyncRecovery())
     managers = [make_manager(buf, tok, rank=r, cfg=rcfg(max_model_len=2000), length_sampler=lambda rng: 5,
                              **engine_kwargs) for r in range(num_ranks)]
+    for m in managers:                   # (ext/recovery.py on both sides, as in a run)
+        with_engine_restarts(m)
     return buf, ctrl, managers
 
 
@@ -1169,7 +1174,7 @@ def test_the_controller_syncs_a_replaced_engine_again_over_a_new_group_while_col
         await asyncio.gather(*runs)
         return sent, ctrl, batch, loads, fresh, stats
     sent, ctrl, batch, loads, fresh, stats = run_virtual(main())
-    assert [g.gen for g in sent] == [0, 1] and ctrl.gen == 1 and ctrl.resyncs == 1
+    assert [g.gen for g in sent] == [0, 1] and ctrl.gen == 1 and ctrl.recovery.resyncs == 1
     assert len(fresh) == 1 and loads == [2, 1]             # every engine loads the resync (rank 0: again)
     assert len(batch) == 2 and {v for s in batch for v in s.versions} == {1}
     assert stats[1]["engine_restarts"] == 1
@@ -1206,7 +1211,7 @@ def test_a_broadcast_that_fails_is_sent_again_over_a_new_group(tok):
         await asyncio.gather(*runs)
         return sent, ctrl, report, state
     sent, ctrl, report, state = run_virtual(main())
-    assert sent == [0, 1, 1] and ctrl.gen == 1 and ctrl.resyncs == 1
+    assert sent == [0, 1, 1] and ctrl.gen == 1 and ctrl.recovery.resyncs == 1
     assert report["synced_version"] == 1
     assert state == [(Status.RUNNING, 2, 2)] * 2
 

@@ -246,15 +246,41 @@ def test_tokens_in_tokens_out(vllm_proxy, hf):
     assert any(s.num_turns > 1 for s in samples if s.task_id.startswith("guess"))
 
 
-@pytest.fixture(scope="module")
-def calc_proxy():
-    """(LoopThread, LLMProxy, tokenizer) over a real vLLM CPU engine with the embedded calc model (the
-    tiny model warm-started so that part of its first actions are calc(...) calls; built once, cached)."""
+def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
+    """The embedded model warm-started a little further on ext/calc.py's transcripts for half the problems
+    (the calc model's recipe from the default model's weights, ~1 minute: this test needs calls to the
+    calculator, not skill; --env calc's own model, CALC, trains 2,000 steps from scratch)."""
+    import random
+
+    import task
     import tiny_model
+    from ext.calc import sft_segments
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    torch.manual_seed(seed)
+    tok, model = PreTrainedTokenizerFast.from_pretrained(base_dir), AutoModelForCausalLM.from_pretrained(base_dir)
+    opt, rng = torch.optim.AdamW(model.parameters(), lr=1e-3), random.Random(seed)
+    data = task.make_problems(steps * 32, seed=seed + 5)
+    model.train()
+    for step in range(steps):
+        batch = [sft_segments(p) if rng.random() < 0.5 else tiny_model.sft_segments(p)
+                 for p in data[step * 32:(step + 1) * 32]]
+        input_ids, labels = tiny_model.encode_sft_batch(tok, batch)
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != 0).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def calc_proxy(tiny_model_dir, tmp_path_factory):
+    """(LoopThread, LLMProxy, tokenizer) over a real vLLM CPU engine with a model that calls the calculator
+    for part of its first actions (tool_model)."""
     from proxy import LLMProxy
     from transformers import PreTrainedTokenizerFast
-    from ext.calc import ensure_calc_model
-    model_dir = ensure_calc_model()
+    model_dir = tool_model(tiny_model_dir, tmp_path_factory.mktemp("calc-model"))
     lt = LoopThread()
     proxy = lt.run(LLMProxy.start_vllm(str(model_dir), rank=0, timeout_s=120))
     yield lt, proxy, PreTrainedTokenizerFast.from_pretrained(model_dir)
@@ -267,8 +293,9 @@ def test_tokens_in_tokens_out_calc_tool_calls(calc_proxy):
     the calculator's answer (as PromptFormat tokenised it) sits between two engine turns, mask 0."""
     lt, proxy, tok = calc_proxy
     # a call is calc(EXPR) and its EOS: "calc(123+456)" is 13 tokens of the character tokenizer. A fixed
-    # env deadline: this test is about tokens, not deadlines (a loaded machine can slow a sandbox call)
-    cfg = RolloutConfig(max_tokens=16, max_turns=3, max_model_len=128, env_timeout_factor=0.0)
+    # env deadline (EnvManager's default): this test is about tokens, not deadlines (a loaded machine can
+    # slow a sandbox call)
+    cfg = RolloutConfig(max_tokens=16, max_turns=3, max_model_len=128)
     tasks = [RolloutTask(f"calc{i}", f"calc-group{i}", p, env="calc")
              for i, p in enumerate(make_problems(24, seed=11))]
     rec = Recorder()

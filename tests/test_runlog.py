@@ -1,4 +1,4 @@
-"""runlog.py, ext/trackers.py and ext/timeline.py without engines: the tensorboard tracker against metrics.jsonl, the
+"""runlog.py, ext/trackers.py, ext/timeline.py and ext/quiet.py without engines: the tensorboard tracker against metrics.jsonl, the
 missing-package messages, ETA and summary, the events' size bounds, the rank-side recording in the
 proxy, the controller forwarding the acks' events, and the log filter."""
 
@@ -16,6 +16,7 @@ import torch
 import runlog
 from buffer import Ack, LocalQueues, Phase, SampleBuffer
 from config import Extensions, parse_cli
+from ext import quiet
 from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
 from tools.fake_engine import FakeTimedEngine
@@ -249,7 +250,7 @@ def test_controller_forwards_each_acks_events_once():
 
 
 def test_known_noise_is_dropped_and_repeats_are_shown_once():
-    f = runlog.KnownNoise()
+    f = quiet.KnownNoise()
 
     def rec(msg, *args):
         return logging.LogRecord("vllm.x", logging.WARNING, "x.py", 1, msg, args, None)
@@ -262,19 +263,19 @@ def test_known_noise_is_dropped_and_repeats_are_shown_once():
 
 def test_quiet_setup_respects_the_user_and_verbose(monkeypatch):
     for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "HF_HUB_DISABLE_PROGRESS_BARS",
-                 "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", runlog.QUIET_MARK):
+                 "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", quiet.QUIET_MARK):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(runlog, "_filter_now", lambda: None)       # leave this process's logging alone
-    monkeypatch.setattr(runlog.warnings, "filterwarnings", lambda *a, **k: None)
-    runlog.quiet(verbose=True)
-    assert "VLLM_LOGGING_LEVEL" not in runlog.os.environ
+    monkeypatch.setattr(quiet, "_filter_now", lambda: None)       # leave this process's logging alone
+    monkeypatch.setattr(quiet.warnings, "filterwarnings", lambda *a, **k: None)
+    quiet.quiet(verbose=True)
+    assert "VLLM_LOGGING_LEVEL" not in quiet.os.environ
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")                  # the user's choice wins
-    runlog.quiet(verbose=False)
-    env = runlog.os.environ
+    quiet.quiet(verbose=False)
+    env = quiet.os.environ
     assert env["VLLM_LOGGING_LEVEL"] == "ERROR" and env["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     config = json.load(open(env["VLLM_LOGGING_CONFIG_PATH"]))
     assert config["loggers"]["vllm"]["level"] == "ERROR"
-    assert config["filters"]["known_noise"]["()"] == "runlog.KnownNoise"
+    assert config["filters"]["known_noise"]["()"] == "ext.quiet.KnownNoise"
 
 
 def test_fmt_s():

@@ -48,7 +48,8 @@ def problems(seed: int, median: float, sigma: float, cap: int):
 
 async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer) -> dict:
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
+    from tools.local import run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
     from weight_sync import weight_meta
 

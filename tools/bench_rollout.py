@@ -375,7 +375,7 @@ def main():
     ap.add_argument("--fast-step-ms", type=float, default=4.0, help="--before: the faster engine's step, ms")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from runlog import quiet
+    from ext.quiet import quiet
     quiet()
     if args.before:
         if not (Path(args.before) / "tools" / "bench_rollout.py").exists():

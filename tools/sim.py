@@ -87,7 +87,7 @@ import looptime
 
 import ext
 from buffer import LocalQueues, SampleBuffer
-from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
+from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
 from env_manager import EnvManager, RolloutConfig
 from ext.deadlines import DeadlineConfig, EnvDeadline
 from ext.faults import FaultyEnv, LatencyEnv
@@ -95,6 +95,7 @@ from ext.stream_trainer import TrainStream
 from ext.tail_batching import TailBatching
 from ext.verifiers import VerifierConfig
 from tools.fake_engine import FakeTimedEngine
+from tools.local import run_local
 from proxy import LLMProxy
 from task import Problem
 

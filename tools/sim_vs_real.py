@@ -118,7 +118,8 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     sender: weight-sync rank 0 of real engines; None: fake engines, which model the transfer themselves."""
     from tools import bench
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step, run_local
+    from tools.local import run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
     from weight_sync import weight_meta
 

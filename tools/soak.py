@@ -63,7 +63,7 @@ def engine_rounds(args):
 
     import psutil
 
-    from runlog import quiet
+    from ext.quiet import quiet
     quiet()
     import tiny_model
     from proxy import LLMProxy, Sampling

@@ -57,7 +57,8 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     initial policy's evaluation alone)."""
     import task
     from buffer import LocalQueues, SampleBuffer
-    from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step, run_local
+    from tools.local import run_local
+    from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step
     from ext.eval import Evaluation
     from env_manager import EnvManager, RolloutConfig
     from trainer import TrainConfig, Trainer
@@ -182,7 +183,7 @@ async def main(args):
     if args.plot_only:            # redraw from the study.json of an earlier run
         data = json.loads((Path(args.out_dir) / "study.json").read_text())
         return plot(data["runs"], Path(args.out_dir) / "study.png", data["initial"])
-    from runlog import quiet
+    from ext.quiet import quiet
     quiet()                       # before vLLM loads: library logs at warning level
     from transformers import AutoTokenizer
 
