@@ -19,7 +19,6 @@ The command/ack protocol, its table and its timeouts: DESIGN.md#the-control-prot
 import asyncio
 import collections
 import itertools
-import random
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,7 +43,8 @@ class ControllerConfig:
     filter_groups: bool = opt(True, "dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     sample_order: str = opt("oldest", "complete groups go to the trainer " + " | ".join(ORDERS)
                             + " first (within the async ratio)")
-    env: str = opt("", "multi-turn environment name (envs.ENVS); empty = single-turn RLVR")
+    env: str = opt("", "multi-turn environment name (rollout.ENVS: ext/ adds guess, chain, calc); empty = "
+                       "single-turn RLVR")
     env_redundancy: int = opt(0, "multi-turn: extra trajectories per group; the first group-size to finish "
                                  "are kept")
     max_gen_batches: int = opt(0, "dynamic filtering: once a step's complete groups (filtered or kept) "
@@ -591,22 +591,6 @@ def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:
         return None
     diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
     return max(diffs) if probe_ref is not None and diffs else None
-
-
-def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, make=None):
-    """Endless problems: a shuffled pass over a dataset, or generated ones; skips `start` (resume)."""
-    rng = random.Random(seed)
-    if problems is None:
-        gen = (make(rng) for _ in itertools.count())
-    else:
-        def passes():
-            while True:
-                order = list(range(len(problems)))
-                rng.shuffle(order)
-                for i in order:
-                    yield problems[i]
-        gen = passes()
-    return itertools.islice(gen, start, None)
 
 
 class WholeBatch:

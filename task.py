@@ -17,6 +17,7 @@ Deviations from the paper: the default task is a toy sized for the tiny model; p
 """
 
 import importlib
+import itertools
 import json
 import random
 from dataclasses import dataclass, field
@@ -174,3 +175,19 @@ def load_reward(spec: str):
     if not callable(fn):
         raise ValueError(f"--reward {spec!r}: not a function")
     return fn
+
+
+def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, make=None):
+    """Endless problems: a shuffled pass over a dataset, or generated ones; skips `start` (resume)."""
+    rng = random.Random(seed)
+    if problems is None:
+        gen = (make(rng) for _ in itertools.count())
+    else:
+        def passes():
+            while True:
+                order = list(range(len(problems)))
+                rng.shuffle(order)
+                for i in order:
+                    yield problems[i]
+        gen = passes()
+    return itertools.islice(gen, start, None)

@@ -30,13 +30,13 @@ import torch.distributed as dist
 import ext
 from buffer import ManagerQueues, SampleBuffer, die_with_parent, queue_bind
 from config import Extensions, check, extensions, opt, parse_cli, part
-from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step
+from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
 from env_manager import EnvManager, RolloutConfig
 from proxy import LLMProxy, Sampling
 from ranks import PROBE_TEXT, TrainerRanks, collective, init_distributed, pin_engine_gpu
 from rollout import PromptFormat
 from runlog import RunLog, print0, probe_verdict, start_line, start_metrics
-from task import DataConfig, Problem
+from task import DataConfig, Problem, problem_stream
 from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
 from weight_sync import TRANSPORTS, weight_meta
@@ -114,7 +114,8 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
         if final:
             break                                                         # (--time-limit-min: early)
     last = await ctrl.finish_sync()                                        # the last sync's acks
-    log.write_stats(ctrl.counters(), await ctrl.stop())                    # rollout_stats.json
+    ranks_stats = await ctrl.stop()                                        # (its last samples counted too)
+    log.write_stats(ctrl.counters(), ranks_stats)                          # rollout_stats.json
     diff = last.get("sync_probe_max_diff")
     log.finish(f"last sync (version {last['synced_version']}): {probe_verdict(diff, cfg)}"
                if diff is not None else "")

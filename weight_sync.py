@@ -5,7 +5,6 @@
     sender.send(sender.spec(gen, num_engines), trainer.iter_full_state(), meta)
     await proxy.update_weights(meta, version, spec)   # each rollout rank, engine suspended: its workers'
                                                       # WeightSyncWorker.receive_weights (collective_rpc)
-    await push(proxies, sender, named, version)       # one process holding both (benchmarks, tests)
 
 What lives here: the one weight-sync group (rank 0 the sender, ranks 1.. every engine's workers,
 built with vLLM's stateless helpers on the run's key-value store; gloo on CPU, NCCL on GPU, the same
@@ -27,7 +26,6 @@ Design notes: DESIGN.md#weight_syncpy
 """
 
 import contextlib
-import itertools
 import os
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -338,20 +336,3 @@ class WeightSyncWorker:
                 head.weight.data.copy_(emb.data)
             if getattr(head, "quant_method", None) is not None:
                 head.quant_method.process_weights_after_loading(head)
-
-
-PUSHES = itertools.count(1)      # push()'s syncs, numbered as the controller numbers a run's
-
-
-async def push(proxies, sender, named, version: int, gen: int = 0):
-    """One process holding the weights and the proxies (benchmarks, tests): `named` into every
-    (suspended) proxy's engine, generation `gen`. sender: a Sender (a broadcast over its group) or a
-    list of ext/colocate.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
-    import asyncio
-    named = list(named)
-    meta = weight_meta(named)
-    senders = sender if isinstance(sender, list) else [sender]
-    spec = senders[0].spec(gen, len(proxies)).with_gen(gen, next(PUSHES))
-    await asyncio.gather(*[asyncio.to_thread(s.send, spec, named, meta) for s in senders],
-                         *[p.update_weights(meta, version, spec, first_rank=1 + i)
-                           for i, p in enumerate(proxies)])

@@ -6,7 +6,7 @@ procedural tasks (--task NAME, each with its own verifier).
 
 On by default wherever the verifier is not the embedded addition check (--data, --task, --reward:
 --reward-workers -1 = 1 process then, 0 for the addition check, which runs inline): a rollout rank's envs
-score through the pool (Extension.reward_fn), so a slow or pathological verifier cannot stall the engine's
+score through the pool (Extension.scorer), so a slow or pathological verifier cannot stall the engine's
 event loop or hang the rank. --reward-timeout-factor > 0: RollPacker's adaptive verifier timeout
 (ext/deadlines.py's RewardDeadline).
 """

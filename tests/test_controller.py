@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from buffer import Ack, Cmd, LocalQueues, Phase, SampleBuffer
-from controller import AsyncController, ControllerConfig, problem_stream
+from controller import AsyncController, ControllerConfig
+from task import problem_stream
 from task import Problem, make_problem
 
 

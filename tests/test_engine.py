@@ -13,7 +13,8 @@ import torch
 from proxy import LLMProxy, Sampling
 from trainer import token_logprobs
 from ext.colocate import IpcSender
-from weight_sync import Sender, push
+from tools.local import push
+from weight_sync import Sender
 
 pytestmark = pytest.mark.engine
 TOL = 1e-4

@@ -141,7 +141,8 @@ def test_adapter_only_sync_reaches_the_engine_and_kept_requests_switch_to_it(tin
 
     from proxy import LLMProxy, Sampling
     from test_engine import ref_logprobs, wait_for_tokens
-    from weight_sync import Sender, push
+    from tools.local import push
+from weight_sync import Sender
     from ranks import PROBE_TEXT
     from transformers import AutoTokenizer
 

@@ -100,7 +100,7 @@ def naive(args, seed: int) -> dict:
     import task
     import tiny_model
     from buffer import Sample
-    from controller import problem_stream
+    from task import problem_stream
     from env_manager import RolloutConfig
     from losses import group_advantages
     from trainer import TrainConfig, Trainer
@@ -185,7 +185,7 @@ def lockstep(args, seed: int) -> dict:
     import task
     import tiny_model
     from buffer import RolloutTask
-    from controller import problem_stream
+    from task import problem_stream
     from ext.calc import ensure_calc_model
     from ext.deadlines import DeadlineConfig, EnvDeadline
     from ext.faults import FaultConfig

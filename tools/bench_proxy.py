@@ -47,7 +47,8 @@ async def main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from proxy import LLMProxy
-    from weight_sync import Sender, push
+    from tools.local import push
+from weight_sync import Sender
 
     if not args.model:
         import tiny_model

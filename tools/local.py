@@ -1,10 +1,15 @@
-"""tools/local.py: a whole run in one event loop, for the tools (the simulator, the benchmarks, the study)
-and the tests: the rollout ranks' EnvManagers as tasks beside the trainer's loop, over in-process queues.
+"""tools/local.py: a run in one process, for the tools (the simulator, the benchmarks, the study) and the
+tests: the rollout ranks' EnvManagers as tasks beside the trainer's loop, over in-process queues; and a
+weight sync from this process into its engines.
 
     result = await run_local(ctrl, managers, driver(), timeout_s)
+    await push(proxies, sender, named, version)       # the weights into every (suspended) proxy's engine
 """
 
 import asyncio
+import itertools
+
+from weight_sync import weight_meta
 
 from proxy import now
 
@@ -32,3 +37,19 @@ async def run_local(ctrl, managers: list, driver, timeout_s: float):
     async with asyncio.timeout(max(0.0, deadline - now())):
         await asyncio.gather(*runs)
     return main.result()
+
+
+PUSHES = itertools.count(1)      # push()'s syncs, numbered as the controller numbers a run's
+
+
+async def push(proxies, sender, named, version: int, gen: int = 0):
+    """One process holding the weights and the proxies (benchmarks, tests): `named` into every
+    (suspended) proxy's engine, generation `gen`. sender: a Sender (a broadcast over its group) or a
+    list of ext/colocate.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
+    named = list(named)
+    meta = weight_meta(named)
+    senders = sender if isinstance(sender, list) else [sender]
+    spec = senders[0].spec(gen, len(proxies)).with_gen(gen, next(PUSHES))
+    await asyncio.gather(*[asyncio.to_thread(s.send, spec, named, meta) for s in senders],
+                         *[p.update_weights(meta, version, spec, first_rank=1 + i)
+                           for i, p in enumerate(proxies)])

@@ -58,11 +58,13 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     import task
     from buffer import LocalQueues, SampleBuffer
     from tools.local import run_local
-    from controller import AsyncController, ControllerConfig, WholeBatch, problem_stream, rl_step
+    from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
+    from task import problem_stream
     from ext.eval import Evaluation
     from env_manager import EnvManager, RolloutConfig
     from trainer import TrainConfig, Trainer
-    from weight_sync import push, weight_meta
+    from tools.local import push
+    from weight_sync import weight_meta
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
