@@ -47,7 +47,8 @@ def check(cfg, at_least: dict = {}, above: dict = {}, one_of: dict = {}):
             raise ValueError(f"{flag(name)} must be > {low}, got {getattr(cfg, name)!r}")
     for name, allowed in one_of.items():
         if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{flag(name)} must be one of {', '.join(map(str, allowed))}, got {getattr(cfg, name)!r}")
+            raise ValueError(f"{flag(name)} must be one of {', '.join(map(str, allowed))}, "
+                             f"got {getattr(cfg, name)!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class Extension:
         """The rank's proxy is up (its engine started at t_start, time.time())."""
 
     def engine_recovery(self, restart_engine):
-        """What replaces this rank's engine when it dies (ext/recovery.py), given restart_engine() -> a new one."""
+        """What replaces this rank's engine when it dies (ext/recovery.py); restart_engine() -> a new one."""
 
     def env_wrapper(self, index: int):
         """(env) -> env, for every env rollout rank `index` makes (injected faults)."""

@@ -61,7 +61,8 @@ class ControllerConfig:
     def __post_init__(self):
         check(self, at_least=dict(batch_groups=1, group_size=1, async_ratio=0, redundant=0, env_redundancy=0,
                                   max_gen_batches=0), above=dict(timeout_s=0, startup_timeout_s=0),
-              one_of=dict(sample_order=ORDERS, rollout_mode=("queue", "batch"), on_max_gen_batches=("error", "train")))
+              one_of=dict(sample_order=ORDERS, rollout_mode=("queue", "batch"),
+                          on_max_gen_batches=("error", "train")))
         if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
                              f"always has all-equal rewards, so every group would be filtered and no batch "
@@ -459,8 +460,8 @@ class AsyncController:
                 **report}
 
     async def _send_weights(self, version: int, probe: bool):
-        """SYNC to every rank, then the broadcast. One that fails raises, unless the recovery (ext/recovery.py)
-        says to send it again (an engine died under it; it may move the group to a new generation)."""
+        """SYNC to every rank, then the broadcast. One that fails raises, unless the recovery
+        (ext/recovery.py) says to send it again (an engine died under it: a new group generation)."""
         if self.recovery is not None:
             self.recovery.before_send(self)
         for attempt in itertools.count(1):
@@ -612,7 +613,8 @@ class WholeBatch:
 
     async def finish(self) -> tuple[dict, list | None]:
         batch = [s for g in self.groups for s in g]
-        advantages = estimate_advantages(torch.tensor([s.reward for s in batch]), self.G, self.estimator).tolist()
+        rewards = torch.tensor([s.reward for s in batch])
+        advantages = estimate_advantages(rewards, self.G, self.estimator).tolist()
         for hook in self.before:
             await hook()
         t = now()                                                                 # loop time (sim: virtual)

@@ -83,7 +83,8 @@ class EnvManager:
         """The scorer's timeouts (calls that scored 0 for it) and its deadline now; the tokens this rank
         generated and threw away by aborts (model tokens: trajectories aborted as stale, on request, at
         stop)."""
-        return {"reward_timeouts": 0, "reward_deadline_s": None, **(self.scorer.stats() if self.scorer else {}),
+        pool = self.scorer.stats() if self.scorer else {}
+        return {"reward_timeouts": 0, "reward_deadline_s": None, **pool,
                 "tokens_aborted": self.counters["tokens_aborted"]}
 
     # --- control loop
@@ -195,7 +196,8 @@ class EnvManager:
         """The rollout side of a weight update (module docstring); the controller waits for its ack.
         Only the tasks in `running` can be stale (see _handle).
         A failed broadcast ends the rank, or with a recovery (ext/recovery.py): SYNCED says needs_weights,
-        and the engine (a new one if it died, acked REPLACED) waits suspended for the controller's next SYNC."""
+        and the engine (a new one if it died, acked REPLACED) waits suspended for the controller's next
+        SYNC."""
         v, t0 = cmd.version, now()
         first_rank = 1 + self.rank * (cmd.group.workers_per_engine if cmd.group else 1)
         probe, t1 = None, t0

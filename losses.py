@@ -194,7 +194,7 @@ class LossConfig:
     """--loss and compute_policy_loss's hyperparameters, one field (one --flag) each, named as its keyword
     (except: loss_agg is agg; gspo_clip_* replace clip_* under --loss gspo; 0 = off means None).
     A new hyperparameter: a field here, its keyword and check below."""
-    loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (losses.LOSSES; formulas: losses.py)")
+    loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (losses.LOSSES, formulas)")
     clip_low: float = opt(0.2, "ppo, decoupled_ppo: ratio >= 1 - this (PPO's epsilon)")
     clip_high: float = opt(0.28, "ppo, decoupled_ppo: ratio <= 1 + this (DAPO's clip-higher)")
     dual_clip: float = opt(0.0, "ppo, decoupled_ppo: dual clip c for A < 0 (Ye et al. 2020: 3); 0 = off")
@@ -317,9 +317,9 @@ def compute_policy_loss(
         old = prox
     log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
     r = log_r.exp()                                                # [B, T] pi / mu
-    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap, cispo_low=cispo_low,
-              cispo_high=cispo_high, topr_pos_weight=topr_pos_weight, topr_neg_weight=topr_neg_weight,
-              behav_weight_cap=behav_weight_cap)
+    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap,
+              cispo_low=cispo_low, cispo_high=cispo_high, topr_pos_weight=topr_pos_weight,
+              topr_neg_weight=topr_neg_weight, behav_weight_cap=behav_weight_cap)
     loss_tok, extra = fn(Terms(lp, old, prox, r, A, m, corr_w, hp))
     clipped = extra.get("clipped", torch.zeros_like(m))            # [B, T] bool, for clip_frac
     is_w = extra.get("is_w", torch.ones_like(r).detach())          # [B, T] stop-grad weight applied

@@ -41,8 +41,8 @@ def collective(phase: str, fn, *args, **kwargs):
 
 class TrainerRanks:
     """The trainer ranks in lockstep. Rank 0 decides each op ("train", "send", "probe", "save", "stop", and
-    what ext/ adds to OPS) and broadcasts it over the trainer group; then every rank runs it, because FSDP's collectives
-    need all of them. Ranks > 0 just follow().
+    what ext/ adds to OPS) and broadcasts it over the trainer group; then every rank runs it, because FSDP's
+    collectives need all of them. Ranks > 0 just follow().
 
     Between two ops a follower waits as long as rank 0 collects a batch or evaluates, which may outlast
     --timeout-s, the group's timeout. So a follower does not wait in the op's broadcast: rank 0 first
@@ -59,7 +59,7 @@ class TrainerRanks:
         self.out_dir, self.model_dir, self.probe_ids = out_dir, model_dir, probe_ids
         # this rank's sender (weight_sync.TRANSPORTS' sender: rank 0's, or every rank's), set by train.py
         self.sender = None
-        self.every_rank_sends = False      # the transport's every_rank: each rank's send, its outcome to rank 0
+        self.every_rank_sends = False      # the transport's every_rank: each rank sends, tells rank 0 how
         self.after_train: list = []        # (trainer) -> None after each batch, every rank (the extensions')
         self.store, self.timeout_s = store, timeout_s     # the mailboxes; a follower's longest wait
         if num_ranks > 1 and store is None:
@@ -254,15 +254,16 @@ def layout_errors(places: list[tuple[int, str]], train: int, transport: str, cud
     errors, seen = [], {}
     for r in range(train):
         if cuda and places[r] in seen:
-            errors.append(f"the trainer group (FSDP) would hold {name(seen[places[r]])} and {name(r)}, both on "
-                          f"{where(r)}: NCCL refuses two ranks of one GPU")
+            errors.append(f"the trainer group (FSDP) would hold {name(seen[places[r]])} and {name(r)}, both "
+                          f"on {where(r)}: NCCL refuses two ranks of one GPU")
         seen.setdefault(places[r], r)
     return errors + TRANSPORTS[transport].layout_errors(places, train, cuda, name, where)
 
 
 def init_distributed(cfg):
     """This rank in torchrun's job (train.py's Config): the checks, the default group (gloo) and the trainer
-    group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core, trainer group, store)."""
+    group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core, trainer group,
+    store)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         sys.exit(f"train.py: {', '.join(missing)} not set: launch with torchrun, e.g.\n"

@@ -65,12 +65,13 @@ class RolloutConfig:
     stop_timeout_s: float = opt(60.0, "on stop or abort, wait this long for cancelled trajectories to unwind")
 
     def __post_init__(self):
-        check(self, at_least=dict(max_concurrency=1, max_turns=1, stream_interval=1, max_tokens=0, max_model_len=0,
-                                  max_retries=0, gpu_memory_utilization=0),
+        check(self, at_least=dict(max_concurrency=1, max_turns=1, stream_interval=1, max_tokens=0,
+                                  max_model_len=0, max_retries=0, gpu_memory_utilization=0),
               above=dict(temperature=0, env_step_timeout_s=0, poll_s=0, stop_timeout_s=0, kv_cache_gib=0),
               one_of=dict(suspend_mode=("keep", "abort"), dtype=("auto", "float32", "bfloat16", "float16")))
         if self.gpu_memory_utilization > 1:
-            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0 = auto), got {self.gpu_memory_utilization}")
+            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0 = auto), got "
+                             f"{self.gpu_memory_utilization}")
 
     def resolved(self, model_dir: str, device: str, embedded: bool) -> "RolloutConfig":
         """The settings that default to the model's (context, reply length) and the device's (dtype)."""
@@ -78,7 +79,7 @@ class RolloutConfig:
         return dataclasses.replace(
             self,
             max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
-            max_tokens=self.max_tokens or (8 if embedded else 1024),   # the embedded model's answers: a few chars
+            max_tokens=self.max_tokens or (8 if embedded else 1024),   # (the embedded model's: a few chars)
             dtype=(self.dtype if self.dtype != "auto"
                    else ("bfloat16" if device.startswith("cuda") else "float32")))
 

@@ -165,8 +165,8 @@ class RunLog:
                  f"{mean('reward_mean', list(self.recent)[-k:]):.3f} (last {k})",
                  "  time       " + " | ".join(f"{name} {v / after:.0%}" for name, v in parts.items())
                  + f"  (of {fmt_s(after)} after start-up)",
-                 f"  samples    {tot['samples_dropped_stale']} dropped as stale, "
-                 f"{tot['groups_filtered']} groups filtered (all rewards equal), {tot['samples_failed']} failed"]
+                 f"  samples    {tot['samples_dropped_stale']} dropped as stale, {tot['groups_filtered']} "
+                 f"groups filtered (all rewards equal), {tot['samples_failed']} failed"]
         lines += [x for e in self.exts for x in (e.summary_lines(self) or [])]
         files = [str(self.path)] + [x for e in self.exts for x in (e.run_files() or [])]
         lines += [f"  files      {', '.join(files)}; checkpoint {self.out / 'checkpoint'}",
@@ -193,9 +193,10 @@ def probe_verdict(diff: float, cfg) -> str:
 def start_line(cfg, world: int, model_dir: str, device: str, state) -> str:
     """The run's first line: its ranks, model, context, dtype, ratio, loss, device, weights."""
     rc = cfg.rollout
-    return (f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model {model_dir} "
-            f"(context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a turn), async ratio "
-            f"{cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, weights: {cfg.weight_transport}"
+    return (f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model "
+            f"{model_dir} (context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a turn), "
+            f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, weights: "
+            f"{cfg.weight_transport}"
             + (f", resuming at step {state['step']} version {state['version']}" if state else ""))
 
 

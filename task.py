@@ -30,7 +30,7 @@ from config import opt
 class Problem:
     prompt: str             # text given to the model
     answer: str             # reference answer the verifier checks against
-    kind: str = "add"       # its verifier (VERIFIERS): "add", the default task; "math", --data rows; "rg:NAME"
+    kind: str = "add"       # its verifier (VERIFIERS): "add" (the default task), "math" (--data), "rg:NAME"
     target_len: int = 0     # >0: benchmark mode, generate exactly this many tokens
     meta: dict = field(default_factory=dict)   # a verifier's extra input (reasoning-gym: the entry)
 
@@ -124,8 +124,8 @@ def reward_math(response: str, answer: str) -> float:
 class DataConfig:
     """Where the problems come from: --data (a dataset) or the embedded addition task (ext/verifiers.py:
     --task; ext/eval.py: the held-out set)."""
-    data: str = opt("", "JSONL/parquet with prompt + answer rows, scored by math-verify; empty = the embedded "
-                        "addition task (or --task)")
+    data: str = opt("", "JSONL/parquet with prompt + answer rows, scored by math-verify; empty = the "
+                        "embedded addition task (or --task)")
     prompt_key: str = opt("", "--data: the prompt's field (default: the first of "
                               + ", ".join(PROMPT_KEYS) + ")")
     answer_key: str = opt("", "--data: the answer's field (default: the first of "

@@ -63,8 +63,9 @@ class Config:
                                      "0 = no limit")
     bucket_mb: int = opt(64, "weight broadcast bucket, MiB")
     weight_transport: str = opt("auto", "how the weights reach the engines (weight_sync.TRANSPORTS): group "
-                                        "(rank 0 broadcasts over one gloo/NCCL group) | ipc (trainer rank i "
-                                        "hands engine i its buckets: ext/colocate.py) | auto (ipc if --colocate)")
+                                        "(rank 0 broadcasts over one gloo/NCCL group) | ipc (trainer rank "
+                                        "i hands engine i its buckets: ext/colocate.py) | auto (ipc under "
+                                        "--colocate, else group)")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N "
                                     "syncs; 0 = never")
@@ -96,8 +97,7 @@ class Config:
 
 async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, meta, group, state):
     """collect -> train -> sync weights -> extensions -> log -> save, until --steps or the time limit."""
-    probe_due = ranks.probe_due
-    await log.starting(ctrl.wait_ready(ranks.probe() if probe_due(0) else None))   # engines up, warmed up
+    await log.starting(ctrl.wait_ready(ranks.probe() if ranks.probe_due(0) else None))   # engines up, warm
     t_train = time.monotonic()
     data_pos = state["data_position"] if state else 0
     for step in range(state["step"] if state else 0, cfg.steps):
@@ -105,7 +105,8 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
         s = await rl_step(ctrl, backend, send, meta, group)                     # collect, train, sync
         final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
         extra = {k: v for d in await exts.acall("after_step", ctrl, step + 1, final) for k, v in d.items()}
-        log.step(step + 1, ctrl.version, {**s.info, **extra}, s.metrics, s.sync, s.train_s, time.monotonic() - t0)
+        log.step(step + 1, ctrl.version, {**s.info, **extra}, s.metrics, s.sync, s.train_s,
+                 time.monotonic() - t0)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or final:
             # data position: problems drawn so far; those admitted but not yet trained are kept apart
             kept = {k: [dataclasses.asdict(p) for p in v] for k, v in ctrl.admission.state(ctrl).items()}
@@ -135,7 +136,7 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
-    if getattr(transport, "engines_after_trainers", False):   # the engines start once the trainers hold models
+    if getattr(transport, "engines_after_trainers", False):   # engines start once the trainers hold models
         collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
@@ -160,11 +161,10 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
-    ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus,
-                           version=state["version"] if state else 0,
-                           prompt_len=lambda p: len(fmt.first(p.prompt)), max_model_len=cfg.rollout.max_model_len,
-                           log=print0, admission=exts.first("admission", cfg.controller),
-                           recovery=exts.first("sync_recovery"))
+    # (its version; each prompt's tokens, for the engine's context; the log; the admission policy; recovery)
+    ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus, state["version"] if state else 0,
+                           lambda p: len(fmt.first(p.prompt)), cfg.rollout.max_model_len, print0,
+                           exts.first("admission", cfg.controller), exts.first("sync_recovery"))
     if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
         ctrl.admission.restore(ctrl, {k: [Problem(**p) for p in v] for k, v in state.items()
                                       if k in ("in_flight", "long_queue")})
@@ -262,7 +262,7 @@ def main():
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     try:
         base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
-        if not base_dir:              # the embedded model (an env's own: --env calc's, calling the calculator)
+        if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)
             import tiny_model
             build = exts.first("embedded_model") or tiny_model.ensure_tiny_model
             if rank == 0:
@@ -275,8 +275,8 @@ def main():
         if not (Path(model_dir) / "config.json").exists():
             raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
         cfg = exts.resolve(cfg)                                                 # (--env calc's replies, ...)
-        cfg = exts.update(dataclasses.replace(cfg, rollout=cfg.rollout.resolved(model_dir, device, not cfg.model),
-                                              train=cfg.train.resolved(device)))   # context, dtype, precision
+        rollout = cfg.rollout.resolved(model_dir, device, not cfg.model)             # context, dtype
+        cfg = exts.update(dataclasses.replace(cfg, rollout=rollout, train=cfg.train.resolved(device)))
         if rank == 0:
             start_metrics(cfg.out_dir, state)          # (a resume: the rows past its checkpoint go)
             print0(start_line(cfg, world, model_dir, device, state))

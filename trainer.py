@@ -70,8 +70,9 @@ class TrainConfig(losses.LossConfig):
     seed: int = opt(0, "seeds the trainer, the data order and the engines (rollout rank i: seed + i)")
     def __post_init__(self):
         super().__post_init__()
-        check(self, at_least=dict(micro_batch=1, ppo_epochs=1, mini_batches=1, warmup_steps=0, max_tokens_per_micro=0,
-                                  logits_chunk=1, weight_decay=0), above=dict(lr=0, grad_clip=0),
+        check(self, at_least=dict(micro_batch=1, ppo_epochs=1, mini_batches=1, warmup_steps=0,
+                                  max_tokens_per_micro=0, logits_chunk=1, weight_decay=0),
+              above=dict(lr=0, grad_clip=0),
               one_of=dict(precision=("auto", "bf16", "fp32"), grad_checkpointing=("auto", "on", "off")))
 
     def resolved(self, device: str) -> "TrainConfig":
@@ -96,7 +97,7 @@ def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
 class Weights:
     """What the trainer trains, syncs into the engines and saves: the whole model. A Weights of another
     kind (ext/lora.py: a PEFT adapter on the frozen model) overrides these."""
-    switchable = False    # True: off(model), a context without them, is the initial model (--kl-coef's reference)
+    switchable = False    # True: off(model), a context without them, is the initial model (--kl-coef's)
 
     def wrap(self, model):
         """The model to train (before sharding; its decoder layers must stay the model's own)."""
@@ -120,12 +121,14 @@ class Weights:
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file({n: t.contiguous() for n, t in named}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
 
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
-                 weights: Weights | None = None, ref_dir: str = "", fsdp: bool = False, temperature: float = 1.0):
+                 weights: Weights | None = None, ref_dir: str = "", fsdp: bool = False,
+                 temperature: float = 1.0):
         """weights: what trains, syncs and is saved (default: the whole model; ext/lora.py: an adapter,
         whose tensors are then all that named_weights() and the checkpoints hold). ref_dir: --kl-coef's
         reference model (default model_dir; a resumed run passes the model it started from). fsdp: the

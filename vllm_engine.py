@@ -235,7 +235,8 @@ class VLLMEngine:
 
         from weight_sync import TRANSPORTS
         try:
-            out = await self.llm.collective_rpc("receive_weights", args=(asdict(spec), first_rank, meta, self.load))
+            out = await self.llm.collective_rpc("receive_weights",
+                                                args=(asdict(spec), first_rank, meta, self.load))
         except BaseException as e:
             TRANSPORTS[spec.transport].receive_failed(spec, first_rank, meta, e)
             raise

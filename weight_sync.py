@@ -218,7 +218,7 @@ class Sender:
 class GroupTransport:
     """--weight-transport group, the default: trainer rank 0 broadcasts every bucket into every engine's
     workers over one process group. A transport of another kind is a class like this one in TRANSPORTS."""
-    every_rank = False       # which trainer ranks hold a sender: rank 0 (the others only take part in gathers)
+    every_rank = False       # which trainer ranks send: rank 0 (the others only take part in the gathers)
 
     def layout_errors(self, places: list, train: int, cuda: bool, name, where) -> list[str]:
         """What this layout breaks for it, before any group forms: the weight-sync group holds trainer rank
@@ -227,8 +227,8 @@ class GroupTransport:
         seen, errors = {}, []
         for r in [0, *range(train, len(places))]:
             if cuda and places[r] in seen:
-                errors.append(f"the weight-sync group would hold {name(seen[places[r]])} and {name(r)}, both on "
-                              f"{where(r)}: NCCL refuses two ranks of one GPU")
+                errors.append(f"the weight-sync group would hold {name(seen[places[r]])} and {name(r)}, both "
+                              f"on {where(r)}: NCCL refuses two ranks of one GPU")
             seen.setdefault(places[r], r)
         return errors
 
@@ -261,7 +261,7 @@ class WeightSyncWorker:
         receive every bucket and load it as it arrives (spec.receiver: another transport's receive does
         this part). load ("module:function", its argument): what to do with the tensors instead of vLLM's
         reload of the model's weights (ext/lora.py: replace the engine's adapter). Returns the tensors
-        loaded and seconds: in all (total_s), waiting for the buckets (wait_s; the rest is vLLM's own load)."""
+        loaded and seconds: in all (total_s), waiting for the buckets (wait_s; the rest: vLLM's own load)."""
         import time
         t0 = time.monotonic()
         spec = GroupSpec(**spec)

@@ -1,7 +1,8 @@
 """ext/calc.py: the tool environment (--env calc) and the sandbox its tool runs in.
 
-    --env calc      the default task, but the model's first turn may be calc(EXPR): EXPR, written by the model,
-                    runs in the sandbox and its value comes back as the next observation; the next turn answers
+    --env calc      the default task, but the model's first turn may be calc(EXPR): EXPR, written by the
+                    model, runs in the sandbox and its value comes back as the next observation; the next
+                    turn answers
     from ext.calc import SandboxLimits, run_python, arun_python, mechanism
     run_python("(17 + 25) * 3", mode="eval")      # SandboxResult(ok=True, output='126', kind='ok', ...)
     await arun_python("print(sum(range(10)))", SandboxLimits(wall_s=2))   # output '45\n'
@@ -388,7 +389,7 @@ def ensure_calc_model(log=print) -> Path:
 
 @extension
 class Calc(Extension):
-    """--env calc: the embedded model is the one warm-started to call the calculator, its replies 16 tokens."""
+    """--env calc: the embedded model is the one warm-started to call the calculator; replies of 16 tokens."""
     name = "calc"
 
     def embedded_model(self):

@@ -252,7 +252,8 @@ def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
     if getattr(worker, "_ipc_at", None) != (spec.host, spec.port):
         worker._ipc_store, worker._ipc_at = connect(spec), (spec.host, spec.port)
         worker._ipc_slots = {}
-    rx = IpcReceiver(worker._ipc_store, spec, engine, meta, worker.model_runner.device, worker._ipc_slots, who)
+    rx = IpcReceiver(worker._ipc_store, spec, engine, meta, worker.model_runner.device, worker._ipc_slots,
+                     who)
     try:
         worker.load(rx.stream(), load)
     except BaseException as e:
@@ -265,19 +266,21 @@ def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
 class IpcTransport:
     """--weight-transport ipc: trainer rank i hands engine i its buckets (every trainer rank sends)."""
     every_rank = True
-    engines_after_trainers = True   # an engine starts once its trainer rank holds its model (--colocate's share)
+    engines_after_trainers = True   # an engine starts once its trainer rank holds its model (--colocate)
 
     def layout_errors(self, places: list, train: int, cuda: bool, name, where) -> list[str]:
         """Trainer rank i and rollout rank i on one GPU (CUDA IPC), on CPU one node (shared memory)."""
         return [f"the ipc transport pairs {name(i)} ({where(i)}) with {name(j)} ({where(j)}): "
-                + ("CUDA IPC needs both on one GPU (--colocate)" if cuda else "shared memory needs both on one node")
+                + ("CUDA IPC needs both on one GPU (--colocate)" if cuda
+                   else "shared memory needs both on one node")
                 for i, j in zip(range(train), range(train, len(places)))
                 if (places[i] if cuda else places[i][0]) != (places[j] if cuda else places[j][0])]
 
     def configure(self, cfg):
         if cfg.rollout_gpus != cfg.train_gpus:
             raise ValueError(f"--weight-transport ipc: trainer rank i hands engine i its weights, so it "
-                             f"needs --rollout-gpus == --train-gpus (got {cfg.rollout_gpus} and {cfg.train_gpus})")
+                             f"needs --rollout-gpus == --train-gpus (got {cfg.rollout_gpus} and "
+                             f"{cfg.train_gpus})")
 
     def sender(self, rank: int, backend: str, **where):
         return IpcSender(**where, engine=rank, rank=rank)
@@ -346,8 +349,8 @@ class Colocate(Extension):
 
     def before_launch(self):
         if not torch.cuda.is_available():
-            raise SystemExit("train.py: --colocate needs GPUs: vLLM's sleep mode, which frees an engine's memory "
-                             "while the trainer trains on the same GPU, is CUDA-only")
+            raise SystemExit("train.py: --colocate needs GPUs: vLLM's sleep mode, which frees an engine's "
+                             "memory while the trainer trains on the same GPU, is CUDA-only")
 
     def engine_args(self, model_dir: str, device: str, who: str):
         args = {"enable_sleep_mode": True}

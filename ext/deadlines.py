@@ -3,7 +3,7 @@ verifiers (on by default: --env-timeout-factor 3).
 
     t = AdaptiveTimeout(ceiling_s=30, factor=3, floor_s=5)     # the ceiling until an anchor is known
     t.anchor_s = 0.8; t.current_s                               # -> 5.0 (3 x 0.8 = 2.4, under the floor)
-    env = EnvDeadline.of(rollout_cfg, part)  # a rollout rank's env calls: anchor = a quantile of recent latencies
+    env = EnvDeadline.of(rollout_cfg, part)  # a rank's env calls: anchor = a quantile of recent latencies
     reward = RewardDeadline(10, factor=2, floor_s=1)   # ext/verifiers.py: anchor = slowest correct answer
 
 Both owners keep their own statistic and share the clamp (AdaptiveTimeout), so the rule lives once:

@@ -95,7 +95,8 @@ class Evaluation:
 
 def eval_line(e: dict) -> str:
     return f"evaluation of version {e['eval_version']}: " + ", ".join(
-        f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in e.items() if k != "eval_version")
+        f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in e.items()
+        if k != "eval_version")
 
 
 @extension

@@ -1,4 +1,4 @@
-"""ext/games.py: two multi-turn text games (--env guess, --env chain), the agentic case at the tiny model's size.
+"""ext/games.py: two multi-turn text games (--env guess, --env chain), agentic RL at the tiny model's size.
 
     guess   find a secret number in 0..99 from "higher" / "lower" hints; reward 1, 0.9, 0.81, ... by guesses
     chain   a running sum, one addition per turn; reward = the share answered correctly

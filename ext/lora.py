@@ -230,7 +230,9 @@ class LoraWeights(Weights):
         return wrap(model, self.cfg)
 
     def checkpoint_name(self, name: str) -> str | None:
-        return None if is_adapter_tensor(name) else name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if is_adapter_tensor(name):
+            return None
+        return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
     def init(self, model, seed: int):
         set_adapter(model, self.adapter_dir, seed)
@@ -251,7 +253,7 @@ def lora_weights(cfg: LoraConfig, adapter_dir: str = "") -> LoraWeights | None:
 
 
 def engine_kwargs(cfg: LoraConfig) -> dict:
-    """AsyncEngineArgs' keywords for an engine that serves one adapter of this rank (serve_adapter sets it)."""
+    """AsyncEngineArgs' keywords for an engine that serves one adapter of this rank (serve_adapter: which)."""
     return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_rank(cfg.lora_rank)}
 
 
@@ -261,11 +263,12 @@ def serve_adapter(engine, cfg: LoraConfig, base_dir: str, adapter_dir: str = "")
     engine.load = ("ext.lora:load_into_engine", cfg.adapter_config(base_dir))
     if adapter_dir:
         engine.request_kwargs["lora_request"] = request(adapter_dir)
-    engine.after_receive.append(lambda: engine.request_kwargs.setdefault("lora_request", request("(weight sync)")))
+    engine.after_receive.append(
+        lambda: engine.request_kwargs.setdefault("lora_request", request("(weight sync)")))
 
 
 def request(path: str):
-    """vLLM's LoRARequest of the engine's adapter (a path even for one its workers hold: where it came from)."""
+    """vLLM's LoRARequest of the engine's adapter (a path even for one its workers hold: its origin)."""
     from vllm.lora.request import LoRARequest
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, path)
 
@@ -283,8 +286,8 @@ class Lora(Extension):
         """A resumed run: the base model plus the checkpoint's adapter (the model dir stays the base's)."""
         saved = (state or {}).get("config", {}).get("ext", {}).get("lora", {}).get("lora_rank", 0)
         if state and saved != self.part.lora_rank:
-            raise SystemExit(f"train.py: --resume: the checkpoint was trained with --lora-rank {saved}; resume "
-                             f"with the same (got {self.part.lora_rank})")
+            raise SystemExit(f"train.py: --resume: the checkpoint was trained with --lora-rank {saved}; "
+                             f"resume with the same (got {self.part.lora_rank})")
         if not self.part.lora_rank:
             return None
         try:

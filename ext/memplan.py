@@ -221,9 +221,9 @@ def memory_plan(cfg, model_dir: str, gpu: bool) -> str:
 
 @dataclass
 class MemplanConfig:
-    dry_run: str = opt("", "print the memory plan (ext/memplan.py) for --model and the layout given, then exit "
-                           "before any process group or engine starts (no torchrun needed): gpu | cpu | auto "
-                           "(--dry-run alone: this machine's)", const="auto")
+    dry_run: str = opt("", "print the memory plan (ext/memplan.py) for --model and the layout given, then "
+                           "exit before any process group or engine starts (no torchrun needed): gpu | cpu | "
+                           "auto (--dry-run alone: this machine's)", const="auto")
 
     def __post_init__(self):
         if self.dry_run not in ("", "gpu", "cpu", "auto"):

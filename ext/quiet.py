@@ -1,7 +1,7 @@
 """ext/quiet.py: what a run prints by default (on unless --verbose): library logs at warning level, minus
 known noise, on every rank and in the engine processes.
 
-    quiet(verbose=False)    # first thing on every rank (Extension.before_launch), before vLLM or transformers load
+    quiet(verbose=False)    # first thing on every rank (Extension.before_launch), before vLLM loads
 
 Left alone, a default run printed about 1,100 lines, 1,000 of them vLLM's INFO lines. quiet() changes only
 this process's environment, which the engine processes (spawned later by the rollout rank) inherit: vLLM
@@ -154,4 +154,4 @@ class Quiet(Extension):
         quiet(self.part.verbose)
 
     def engine_args(self, model_dir: str, device: str, who: str):
-        return {"use_tqdm_on_load": self.part.verbose}     # vLLM's "Loading safetensors checkpoint shards" bar
+        return {"use_tqdm_on_load": self.part.verbose}   # vLLM's "Loading safetensors checkpoint shards"

@@ -1,16 +1,17 @@
 """ext/recovery.py: self-healing engines (on by default). An engine that dies or hangs under a rollout rank is
 replaced by a fresh one, and the run goes on; a broadcast an engine died under is sent again over a new group.
 
-    EngineRecovery(restart_engine)     # a rollout rank's (EnvManager.recovery): restart_engine() -> a new backend
+    EngineRecovery(restart_engine)     # a rollout rank's (EnvManager.recovery); restart_engine() -> a backend
     SyncRecovery()                     # trainer rank 0's (AsyncController.recovery)
 
-The rollout side: a trajectory that sees the engine fail (proxy.EngineError: its process died, or it produced
-nothing for the proxy's timeout) hands its task here; the control loop then cancels every trajectory in flight,
-reports each lost sample as given up (the controller re-admits those prompts: not their fault), starts a new
-engine, and resumes it before the first weight sync (it holds the model dir's weights, the current ones); after
-one, the new engine waits suspended for weights (ack REPLACED). A broadcast that fails: this engine died (a new
-one, acked REPLACED) or another member did (the group broke: this engine lives on); either way it holds part of
-the weights at most, acks SYNCED with needs_weights and waits suspended.
+The rollout side: a trajectory that sees the engine fail (proxy.EngineError: its process died, or it
+produced nothing for the proxy's timeout) hands its task here; the control loop then cancels every
+trajectory in flight, reports each lost sample as given up (the controller re-admits those prompts: not
+their fault), starts a new engine, and resumes it before the first weight sync (it holds the model dir's
+weights, the current ones); after one, the new engine waits suspended for weights (ack REPLACED). A
+broadcast that fails: this engine died (a new one, acked REPLACED) or another member did (the group broke:
+this engine lives on); either way it holds part of the weights at most, acks SYNCED with needs_weights
+and waits suspended.
 The controller's side: REPLACED acks move the weight-sync group to a new generation (a replaced engine cannot
 enter its predecessor's group; an engine never joins a generation older than its own start, may_join), and a
 replaced engine is synced again to the current version while the controller collects (every engine reloads it:
@@ -51,7 +52,7 @@ class EngineRecovery:
             await self.recover(mgr, self.failure)
 
     async def sync_failed(self, mgr, e: EngineError, version: int, t0: float, t1: float):
-        """The broadcast failed (module docstring): ack SYNCED with needs_weights, REPLACED for a new engine."""
+        """The broadcast failed (module docstring): ack SYNCED with needs_weights; REPLACED: a new engine."""
         mgr.synced = True      # (whatever it loaded, the model dir's weights are not version v)
         t2 = now()
         group_broke = "weight-sync" in str(e) and not getattr(mgr.proxy.engine, "dead", False)
@@ -116,8 +117,8 @@ class SyncRecovery:
         if not any(a.needs_weights for a in acks):
             return False                                 # the trainer's side failed, not an engine
         if ctrl.log:
-            ctrl.log(f"weight sync to version {version}: the broadcast failed ({error}); sending again over a "
-                     f"new group")
+            ctrl.log(f"weight sync to version {version}: the broadcast failed ({error}); sending again over "
+                     f"a new group")
         self.take_replaced(ctrl)
         ctrl.gen += 1
         self.resyncs += 1

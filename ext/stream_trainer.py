@@ -236,10 +236,11 @@ class RanksStream:
 
 @dataclass
 class StreamConfig:
-    stream_trainer: bool = opt(False, "the streaming trainer (ext/stream_trainer.py): forward/backward on "
-                                      "micro-batches of complete groups as they arrive, gradients accumulated, "
-                                      "one optimizer step once the batch is complete (exact: the weights do not "
-                                      "move before it). Falls back to whole batches, saying so, with "
+    stream_trainer: bool = opt(False, "the streaming trainer (ext/stream_trainer.py): forward/backward "
+                                      "on micro-batches of complete groups as they arrive, gradients "
+                                      "accumulated, one optimizer step once the batch is complete (exact: "
+                                      "the weights do not move before it). Falls back to whole batches, "
+                                      "saying so, with "
                                       "--mini-batches > 1 or --ppo-epochs > 1 (each step needs the whole "
                                       "batch) and with --colocate (the engines' GPUs train)")
 
@@ -274,5 +275,5 @@ class StreamTrainer(Extension):
         self.steps = getattr(self, "steps", 0.0) + row.get("time_step", 0.0)
 
     def summary_lines(self, runlog):
-        return [f"  trainer    busy {getattr(self, 'busy', 0.0) / max(getattr(self, 'steps', 0.0), 1e-9):.0%} "
-                f"of the step time"]
+        busy = getattr(self, "busy", 0.0) / max(getattr(self, "steps", 0.0), 1e-9)
+        return [f"  trainer    busy {busy:.0%} of the step time"]

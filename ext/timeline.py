@@ -165,7 +165,8 @@ class Timeline(Extension):
 
     def on_finish(self):
         if self.log is not None:
-            self.log.add({"ev": "end", "t": time.time(), "requests_not_written": self.log.requests_not_written})
+            self.log.add({"ev": "end", "t": time.time(),
+                          "requests_not_written": self.log.requests_not_written})
 
     def close(self):
         if self.log is not None:

@@ -94,8 +94,8 @@ class Trackers(Extension):
                 shutil.rmtree(out / "tensorboard", ignore_errors=True)
             self.tracker = TensorBoardTracker(out / "tensorboard")
         else:
-            self.tracker = WandbLikeTracker(name, self.part.tracker_project, out.name, dataclasses.asdict(self.cfg),
-                                            out)
+            self.tracker = WandbLikeTracker(name, self.part.tracker_project, out.name,
+                                            dataclasses.asdict(self.cfg), out)
 
     def on_row(self, row: dict):
         if self.tracker is not None:

@@ -1,8 +1,8 @@
-"""ext/verifiers.py: verifiers in worker processes, under a timeout that really interrupts, and reasoning-gym's
-procedural tasks (--task NAME, each with its own verifier).
+"""ext/verifiers.py: verifiers in worker processes, under a timeout that really interrupts, and
+reasoning-gym's procedural tasks (--task NAME, each with its own verifier).
 
     pool = RewardPool(workers=1, spec="", timeout_s=10)   # a rollout rank's verifier processes
-    r = await pool.score(problem, response)               # 0.0 when the verifier raises or outlives its deadline
+    r = await pool.score(problem, response)               # 0.0: the verifier raised or outlived its deadline
 
 On by default wherever the verifier is not the embedded addition check (--data, --task, --reward:
 --reward-workers -1 = 1 process then, 0 for the addition check, which runs inline): a rollout rank's envs
@@ -229,5 +229,5 @@ class Verifiers(Extension):
         p = self.part
         if p.reward_workers <= 0:
             return None
-        return RewardPool(p.reward_workers, self.cfg.rollout.reward, p.reward_timeout_s, p.reward_timeout_factor,
-                          p.reward_timeout_min_s)
+        return RewardPool(p.reward_workers, self.cfg.rollout.reward, p.reward_timeout_s,
+                          p.reward_timeout_factor, p.reward_timeout_min_s)

@@ -944,9 +944,12 @@ def test_faulty_env_rates():
 def test_config_validates():
     for cls, field, bad in [(RolloutConfig, "max_concurrency", 0), (VerifierConfig, "reward_workers", -2),
                             (RolloutConfig, "env_step_timeout_s", 0), (RolloutConfig, "max_tokens", -1),
-                            (DeadlineConfig, "env_timeout_quantile", 0), (DeadlineConfig, "env_timeout_quantile", 1.5),
-                            (DeadlineConfig, "env_timeout_factor", -1), (DeadlineConfig, "env_timeout_floor_s", 0),
-                            (VerifierConfig, "reward_timeout_factor", -1), (VerifierConfig, "reward_timeout_min_s", 0)]:
+                            (DeadlineConfig, "env_timeout_quantile", 0),
+                            (DeadlineConfig, "env_timeout_quantile", 1.5),
+                            (DeadlineConfig, "env_timeout_factor", -1),
+                            (DeadlineConfig, "env_timeout_floor_s", 0),
+                            (VerifierConfig, "reward_timeout_factor", -1),
+                            (VerifierConfig, "reward_timeout_min_s", 0)]:
         with pytest.raises(ValueError, match=field.replace("_", "-")):
             cls(**{field: bad})
     with pytest.raises(ValueError, match=r"--env-timeout-quantile .*must be in \(0, 1\]"):

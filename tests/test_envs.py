@@ -1,4 +1,5 @@
-"""ext/calc.py and ext/faults.py: the calculator tool env (its calls run in the sandbox), and the lognormal latency wrapper."""
+"""ext/calc.py and ext/faults.py: the calculator tool env (its calls run in the sandbox), and the lognormal
+latency wrapper."""
 
 import asyncio
 import random

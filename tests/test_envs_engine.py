@@ -257,7 +257,8 @@ def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
     from ext.calc import sft_segments
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     torch.manual_seed(seed)
-    tok, model = PreTrainedTokenizerFast.from_pretrained(base_dir), AutoModelForCausalLM.from_pretrained(base_dir)
+    tok = PreTrainedTokenizerFast.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
     opt, rng = torch.optim.AdamW(model.parameters(), lr=1e-3), random.Random(seed)
     data = task.make_problems(steps * 32, seed=seed + 5)
     model.train()

@@ -23,7 +23,8 @@ TRAIN_KW = dict(loss="ppo", lr=1e-2, warmup_steps=0)       # adapters want a lar
 
 
 def lora_trainer(model_dir, adapter_dir=""):
-    return Trainer(str(model_dir), TrainConfig(**TRAIN_KW), weights=lora_weights(LoraConfig(lora_rank=8), adapter_dir))
+    return Trainer(str(model_dir), TrainConfig(**TRAIN_KW),
+                   weights=lora_weights(LoraConfig(lora_rank=8), adapter_dir))
 
 
 def seq_logprobs(model, samples) -> torch.Tensor:
@@ -142,7 +143,7 @@ def test_adapter_only_sync_reaches_the_engine_and_kept_requests_switch_to_it(tin
     from proxy import LLMProxy, Sampling
     from test_engine import ref_logprobs, wait_for_tokens
     from tools.local import push
-from weight_sync import Sender
+    from weight_sync import Sender
     from ranks import PROBE_TEXT
     from transformers import AutoTokenizer
 

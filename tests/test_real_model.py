@@ -34,7 +34,7 @@ def test_prefix_cache_never_serves_old_weights_after_an_update(chat_model):
     from rollout import PromptFormat
     from proxy import LLMProxy, Sampling
     from tools.local import push
-from weight_sync import Sender
+    from weight_sync import Sender
     tok = AutoTokenizer.from_pretrained(chat_model["dir"])
     rows = [json.loads(x) for x in chat_model["data"].read_text().splitlines()]
     prompt, other = (PromptFormat(tok).first(r["question"]) for r in rows[:2])

@@ -1,4 +1,5 @@
-"""runlog.py, ext/trackers.py, ext/timeline.py and ext/quiet.py without engines: the tensorboard tracker against metrics.jsonl, the
+"""runlog.py, ext/trackers.py, ext/timeline.py and ext/quiet.py without engines: the tensorboard tracker
+against metrics.jsonl, the
 missing-package messages, ETA and summary, the events' size bounds, the rank-side recording in the
 proxy, the controller forwarding the acks' events, and the log filter."""
 

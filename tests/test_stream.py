@@ -161,7 +161,11 @@ def test_fsdp_streamed_step_is_the_batch_token_mean_over_ranks(tiny_model_dir, t
     out = tmp_path / "stream.pt"
     mp.spawn(_fsdp_stream_worker, args=(2, free_port(), str(tiny_model_dir), groups, str(out)), nprocs=2)
     got = torch.load(out)
-    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+    # AdamW's first step moves each weight by about lr * sign(gradient), whatever the gradient's scale: a
+    # wrong weighting of the ranks' tokens flips signs and shows as differences of ~lr (1e-3). Coordinates
+    # whose gradient is near Adam's eps move by a rounding-dependent fraction of lr: 1.4e-5 seen with this
+    # machine's tiny model (the float32 order of the micro-batches' sums differs), hence lr / 10
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-4
 
 
 class DefaultElsewhere(types.ModuleType):

@@ -1,4 +1,5 @@
-"""ext/tail_batching.py through the real controller, buffer and env managers on fake engines (tools/sim.py, virtual time):
+"""ext/tail_batching.py through the real controller, buffer and env managers on fake engines (tools/sim.py,
+virtual time):
 short and long rounds, no prompt lost, nothing stale at ratio 0, the long queue across a resume."""
 
 from dataclasses import replace
@@ -138,7 +139,7 @@ def test_the_long_queue_survives_a_resume():
 def test_round_state_machine_and_flags():
     cfg = ControllerConfig(batch_groups=4, group_size=8, async_ratio=0, redundant=1)
     tb = TailBatching(cfg, oversample=1.5, extra_samples=2)
-    assert tb.begin_step(None) == 0 and tb.round == Round.SHORT and tb.target() == 4 + 2 + 1   # (no long block)
+    assert tb.begin_step(None) == 0 and tb.round == Round.SHORT and tb.target() == 4 + 2 + 1   # (no block)
     assert tb.admitted("a", 0) == 10                                       # samples per group: 8 + 2
     assert tb.overdue(0, ["a"]) == ["a"] and tb.give_up("a", Problem("p", "1")) and len(tb.long_queue) == 1
     tb.long_queue.extend(Problem(f"q{i}", "1") for i in range(3))

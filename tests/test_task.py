@@ -60,7 +60,8 @@ def test_response_len_budget_is_the_prompts_own_lognormal_draw():
     import statistics
     from config import Extensions, parse_cli
     from train import Config
-    cfg = parse_cli(Config, ["--response-len-median", "8", "--response-len-sigma", "1.0", "--eval-every", "1"])
+    cfg = parse_cli(Config, ["--response-len-median", "8", "--response-len-sigma", "1.0",
+                             "--eval-every", "1"])
     _, make, held_out = cfg.data.sources(0, Extensions.start(cfg))
     lens = [make(random.Random(i)).target_len for i in range(2000)]
     assert 7 <= statistics.median(lens) <= 9 and max(lens) > 60 and min(lens) >= 1

@@ -339,7 +339,8 @@ def _steps_worker(rank, world, port, model_dir, samples, adv, out, train_kw, ste
     def refuse(*a, **kw):
         raise AssertionError("a trainer rank under FSDP loaded the whole model")
     AutoModelForCausalLM.from_pretrained = refuse
-    tr = Trainer(model_dir, TrainConfig(**train_kw), dist.group.WORLD, weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
+    tr = Trainer(model_dir, TrainConfig(**train_kw), dist.group.WORLD,
+                 weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
     lm = tr.model.get_base_model() if lora_rank else tr.model
     start = {"tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
              "local": sum(p.to_local().numel() for p in tr.model.parameters()),
@@ -369,7 +370,8 @@ def test_sharded_start_holds_half_the_model_and_the_same_weights(tiny_model_dir,
     half of every weight, the tied head is the embedding's tensor, the rotary tables are recomputed, and the
     weights (LoRA: base and the adapter's init) are exactly the single-rank trainer's."""
     from ext.lora import LoraConfig, lora_weights
-    single = Trainer(str(tiny_model_dir), TrainConfig(), weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
+    single = Trainer(str(tiny_model_dir), TrainConfig(),
+                     weights=lora_weights(LoraConfig(lora_rank=lora_rank)))
     got = spawn_steps(tmp_path, tiny_model_dir, make_samples(tiny_model_dir), [1.0, -1.0, 1.0, -1.0],
                       dict(loss="ppo"), lora_rank=lora_rank)["start"]
     lm = single.model.get_base_model() if lora_rank else single.model

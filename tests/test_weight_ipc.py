@@ -1,4 +1,5 @@
-"""ext/colocate.py's ipc transport without engines: the ipc transport's sender in this process, the worker side in
+"""ext/colocate.py's ipc transport without engines: the ipc transport's sender in this process, the worker
+side in
 another (spawned: a fresh interpreter that shares nothing with this one but the store's address and
 the shared-memory files) with a model runner that records what reload_weights got. Bit-exact
 tensors, buffers reused, every failure (a worker killed, a loader that raises, a sender that fails)
@@ -27,7 +28,8 @@ FLOATS = [(n, t) for n, t in NAMED if t.is_floating_point()]
 
 def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tensor: int = -1,
             device: str = "cpu", visible: str | None = None):
-    """Engine 0's worker: one receive_weights (the ipc receiver: engine 0, first rank 1) per spec; what was loaded, and the slots' addresses
+    """Engine 0's worker: one receive_weights (the ipc receiver: engine 0, first rank 1) per spec; what was
+    loaded, and the slots' addresses
     (the sender's buffers as this process mapped them), saved after each; an error, saved too.
     device, visible: a GPU worker's device and CUDA_VISIBLE_DEVICES (as an engine's worker has)."""
     if visible is not None:

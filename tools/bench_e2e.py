@@ -200,8 +200,8 @@ def lockstep(args, seed: int) -> dict:
     model_dir = str(ensure_calc_model() if args.env == "calc" else tiny_model.ensure_tiny_model())
     tok = AutoTokenizer.from_pretrained(model_dir)
     # (as train.py resolves them: --env calc's replies get 16 tokens)
-    rc = RolloutConfig(max_tokens=args.max_tokens or (16 if args.env == "calc" else 0)).resolved(model_dir, "cpu",
-                                                                                                 True)
+    rc = RolloutConfig(max_tokens=args.max_tokens or (16 if args.env == "calc" else 0))
+    rc = rc.resolved(model_dir, "cpu", True)
     fmt = PromptFormat(tok, rc.chat_template)
     trainer = Trainer(model_dir, TrainConfig(loss=args.loss, lr=args.lr, micro_batch=args.micro_batch,
                                              seed=seed))

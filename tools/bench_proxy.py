@@ -48,7 +48,7 @@ async def main(args):
 
     from proxy import LLMProxy
     from tools.local import push
-from weight_sync import Sender
+    from weight_sync import Sender
 
     if not args.model:
         import tiny_model

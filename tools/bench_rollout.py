@@ -56,7 +56,7 @@ AUTHKEY = b"bench-rollout"
 
 # cProfile's functions by file -> the component they belong to (first match wins)
 COMPONENTS = [("fake engine (excluded)", ("fake_engine.py",)), ("proxy", ("proxy.py",)),
-              ("env manager, trajectories", ("env_manager.py", "rollout.py")),    # (rollout.py: the prompt format)
+              ("env manager, trajectories", ("env_manager.py", "rollout.py")),    # (and the prompt format)
               ("timeline events", ("timeline.py",)),
               ("reward, ext/ envs", ("task.py", "/ext/")),
               ("queue client (pickle, sockets, its threads)",

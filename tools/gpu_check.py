@@ -9,14 +9,16 @@ The models are built here with random weights from Qwen2Config: Qwen2.5-0.5B's a
 recorded in the JSON whether it passes or fails (one failure does not stop the others):
 
   build       the two model dirs
-  ipc         ext/colocate.py's ipc: the 0.5B's weights from the trainer (fp32) to a worker process (spawned, as an
+  ipc         ext/colocate.py's ipc: the 0.5B's weights from the trainer (fp32) to a worker process (spawned,
+              as an
               engine's worker is) in bfloat16 through two reused buckets: CUDA IPC on a GPU (shared memory on
               CPU), bit-exact (sha256 per tensor), the embedding (272 MB) larger than a 64 MiB bucket; GB/s
   fsdp        FSDP2 on one rank (Trainer(fsdp=True): the multi-rank path on a group of one), bf16: float32
               sharded masters, bfloat16 compute, the probe against a float32 forward within bf16's probe
               tolerance, a step, save_checkpoint, a resumed trainer (weights bit-exact, optimizer loaded)
               taking the same next step as the original
-  stream      the streaming trainer's step (ext/stream_trainer.py's ops on TrainerRanks) on that FSDP trainer over a
+  stream      the streaming trainer's step (ext/stream_trainer.py's ops on TrainerRanks) on that FSDP trainer
+              over a
               group of one (NCCL on a GPU), against train_step on the same batch
   logprobs    one fwd+bwd of log-probs: model.PolicyNet's LM-head chunks against full [B, T, V] logits,
               peak memory and the values
@@ -221,7 +223,7 @@ def check_build(ctx: Ctx, rec: dict):
 
 
 def _ipc_worker(specs: list, meta, device: str, out: str):
-    """An engine worker's side of the ipc transport (spawned): receive each sync, hash every tensor it yields."""
+    """An engine worker's side of the ipc transport (spawned): receive each sync, hash every tensor."""
     forbid_vllm()
     import torch
 

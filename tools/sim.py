@@ -436,7 +436,7 @@ def sim_problems(cfg: SimConfig):
 
 
 class SimStream:
-    """The streaming trainer's time model (ext/stream_trainer.TrainStream's backend): each complete group costs its
+    """The streaming trainer's time model (TrainStream's backend): each complete group costs its
     tokens' share of train_time as it arrives, the optimizer step train_overhead_s at the end."""
 
     def __init__(self, cfg: SimConfig, gpus: int):
@@ -492,7 +492,8 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
         proxies.append(proxy)
         managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, async_ratio=cfg.async_ratio,
                                    sync_timeout_s=cfg.timeout_s, env_wrappers=wrap,
-                                   deadline=EnvDeadline.of(rcfg, DeadlineConfig(), VerifierConfig().reward_timeout_s)))
+                                   deadline=EnvDeadline.of(rcfg, DeadlineConfig(),
+                                                           VerifierConfig().reward_timeout_s)))
 
     rows = []
 
