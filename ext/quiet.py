@@ -72,15 +72,16 @@ class KnownNoise(logging.Filter):
         return True
 
 
-def vllm_logging_config(level: str = "WARNING") -> dict:
-    """vLLM's logger hierarchy (the "vllm" logger) to stderr at `level`, through KnownNoise, in
-    vLLM's format less its process name (which needs vLLM's record factory, absent until vLLM
-    configures logging itself; the pid tells the processes apart)."""
+def vllm_logging_config(level: str = "WARNING", noise="ext.quiet.KnownNoise") -> dict:
+    """vLLM's logger hierarchy (the "vllm" logger) to stderr at `level`, through KnownNoise (noise: its
+    dotted path, for the file vLLM reads; or the class itself), in vLLM's format less its process name
+    (which needs vLLM's record factory, absent until vLLM configures logging itself; the pid tells the
+    processes apart)."""
     return {
         "version": 1,
         "disable_existing_loggers": False,
         # importable: vllm_engine.py puts this dir on PYTHONPATH
-        "filters": {"known_noise": {"()": "ext.quiet.KnownNoise"}},
+        "filters": {"known_noise": {"()": noise}},
         "formatters": {"vllm": {"format": "(vllm pid=%(process)d) %(levelname)s "
                                           "%(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                                 "datefmt": "%m-%d %H:%M:%S"}},
@@ -110,7 +111,10 @@ QUIET_MARK = "ROLL_FLASH_QUIET"     # set by quiet(): this process and its child
 def _filter_now():
     """Apply the filter in this process at once, so that vLLM's import-time warnings (printed before
     vLLM configures its logging from VLLM_LOGGING_CONFIG_PATH) pass it too."""
-    logging.config.dictConfig(vllm_logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+    # (the class itself: this module may still be importing, as in the engine processes, where train.py's
+    # import loads ext/ and this runs)
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.config.dictConfig(vllm_logging_config(level, KnownNoise))
 
 
 def quiet(verbose: bool = False):

@@ -99,31 +99,6 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
     assert (out / "checkpoint" / "state.json").exists()
 
 
-def test_kill_and_resume(tmp_path):
-    out = tmp_path / "resume"
-    p = torchrun(out, "--steps", "8", "--save-every", "2", "--async-ratio", "1")
-    deadline = time.monotonic() + 400
-    while not (out / "checkpoint" / "state.json").exists() or len(rows(out)) < 3:
-        assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.5)
-    kill_tree(p.pid)                       # a crash of every rank at once: no cleanup, no final checkpoint
-    p.wait(30)
-    time.sleep(2)                          # let the killed engines' ports close
-    state = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert state["step"] % 2 == 0 and state["step"] >= 2
-    r = finish(torchrun(out, "--steps", str(state["step"] + 2), "--save-every", "2", "--async-ratio", "1",
-                        "--resume"), out)
-    # rows past the checkpoint were trimmed
-    assert [x["step"] for x in r] == list(range(1, state["step"] + 3))
-    resumed = r[state["step"]:]
-    assert [x["step"] for x in resumed] == [state["step"] + 1, state["step"] + 2]
-    assert [x["version"] for x in resumed] == [state["version"] + 1, state["version"] + 2]
-    assert all(x["sync_probe_max_diff"] < 1e-4 for x in resumed)
-    final = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert final["step"] == state["step"] + 2 and final["data_position"] > state["data_position"]
-
-
 def test_bad_flags_name_the_problem(tmp_path):
     py = str(Path(sys.executable))
     r = subprocess.run([py, "train.py", "--rollout-gpus", "2", "--train-gpus", "1",
@@ -160,23 +135,30 @@ def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
     assert sum(x["samples_failed"] for x in r) > 0
 
 
-@pytest.mark.parametrize("victim", ["engine core", "engine worker", "rollout rank", "trainer rank",
-                                    "torchrun"])
-def test_killed_process_leaves_nothing_behind(tmp_path, victim):
-    """SIGKILL one process of a running job. An engine (core or worker) is replaced and the run
-    finishes; any other death ends the job. Either way, no process of the job is left after it."""
+@pytest.mark.parametrize("victims", [("engine core", "engine worker"), ("rollout rank",), ("trainer rank",),
+                                     ("torchrun",)], ids=" then ".join)
+def test_killed_process_leaves_nothing_behind(tmp_path, victims):
+    """SIGKILL one process of a running job. An engine (core or worker) is replaced and the run goes on: the
+    engine's two processes are killed one after the other in one run, the second once the first's
+    replacement serves; the run finishes. Any other death ends the job. Either way, no process of the job is
+    left after it."""
     import psutil
-    out = tmp_path / victim.replace(" ", "-")
-    # 30 steps of ~0.1 s: the kill lands while the run is still going (with 6 it could come after the end)
+    out = tmp_path / victims[0].replace(" ", "-")
+    # 30 steps of ~0.1 s: the kills land while the run is still going (with 6 they could come after the end)
     p = torchrun(out, "--steps", "30", "--save-every", "0", "--async-ratio", "1", rollout_gpus=1)
     deadline = time.monotonic() + 300
-    while len(rows(out)) < 2:
-        assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no step in time"
-        time.sleep(0.5)
-    seen = job_tree(p.pid)
-    [target] = [proc for role, proc in seen.values() if role == victim]
-    target.kill()
+    seen: dict = {}                # every process of the job, by pid; each kill's target: one started since
+    for victim in victims:
+        # (two steps past the previous kill: the new engine serves; its processes are the ones to kill)
+        wanted = len(rows(out)) + 2
+        while len(rows(out)) < wanted or not (new := [proc for pid, (role, proc) in job_tree(p.pid).items()
+                                                      if role == victim and pid not in seen]):
+            assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step in time"
+            time.sleep(0.5)
+        [target] = new
+        seen.update(job_tree(p.pid))
+        target.kill()
     try:
         while p.poll() is None:                        # collect the job's processes until it ends
             seen.update(job_tree(p.pid))
@@ -192,56 +174,65 @@ def test_killed_process_leaves_nothing_behind(tmp_path, victim):
         time.sleep(0.5)
         alive = [a for a in alive if psutil.pid_exists(int(a.split()[-1]))
                  and psutil.Process(int(a.split()[-1])).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left behind after killing the {victim}: {alive}"
-    if victim.startswith("engine"):                    # contained: the run finished, the engine was replaced
+    assert not alive, f"left behind after killing the {', '.join(victims)}: {alive}"
+    if victims[0].startswith("engine"):                # contained: the run finished, each engine replaced
         assert p.returncode == 0, Path(out).with_suffix(".log").read_text()[-3000:]
         r = rows(out)
         assert [x["step"] for x in r] == list(range(1, 31))
         stats = json.loads((out / "rollout_stats.json").read_text())
-        assert stats["rollout_ranks"][0]["engine_restarts"] == 1
-        # the new engine holds the trainer's weights (a sync its engine died in has no probe of its own:
+        assert stats["rollout_ranks"][0]["engine_restarts"] == len(victims)
+        # a new engine holds the trainer's weights (a sync its engine died in has no probe of its own:
         # when the controller's resync comes before the next sync, its probe is reported instead)
         diffs = [x["sync_probe_max_diff"] for x in r]
-        assert (all(d is None or d < 1e-4 for d in diffs) and sum(d is None for d in diffs) <= 1
+        assert (all(d is None or d < 1e-4 for d in diffs) and sum(d is None for d in diffs) <= len(victims)
                 and diffs[-1] is not None)
     else:
         assert p.returncode != 0
 
 
-def test_torchrun_restart_resumes_from_the_last_checkpoint_by_itself(tmp_path):
-    """torchrun --max-restarts + --resume auto: a killed rank costs at most one checkpoint interval;
-    the restarted ranks resume on their own and metrics.jsonl ends with every step exactly once."""
+def test_a_killed_rank_restarts_and_the_run_resumes_from_its_last_checkpoint(tmp_path):
+    """torchrun --max-restarts + --resume auto: SIGKILL a rank after a checkpoint; the restarted ranks resume
+    on their own from the last checkpoint (a killed rank costs at most one checkpoint interval): the rows past
+    it are trimmed, so metrics.jsonl ends with every step exactly once; the resumed steps continue its
+    version, with the engines holding the trainer's weights, and its data position moves on."""
     out = tmp_path / "heal"
     # 30 steps of ~0.1 s: the kill lands while the run is still going (with 6 it could come after the end)
     p = torchrun(out, "--steps", "30", "--save-every", "2", "--async-ratio", "1", "--resume", "auto",
                  rollout_gpus=1, launcher=("--max-restarts", "2"))
     deadline = time.monotonic() + 400
-    while len(rows(out)) < 3:
+    while not (out / "checkpoint" / "state.json").exists() or len(rows(out)) < 3:
         assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no step in time"
+        assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.5)
     [rollout] = [proc for role, proc in job_tree(p.pid).values() if role == "rollout rank"]
     rollout.kill()
+    state = json.loads((out / "checkpoint" / "state.json").read_text())     # (at least this one was saved)
     r = finish(p, out)
-    assert [x["step"] for x in r] == list(range(1, 31))
+    assert [x["step"] for x in r] == list(range(1, 31)) and [x["version"] for x in r] == list(range(1, 31))
     log = Path(out).with_suffix(".log").read_text()
     resumed = [int(n) for n in re.findall(r"resuming at step (\d+)", log)]
     assert resumed and all(n % 2 == 0 and 2 <= n < 30 for n in resumed), resumed   # a checkpoint, not the end
+    assert all(x["sync_probe_max_diff"] < 1e-4 for x in r[resumed[-1]:])
+    final = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert final["step"] == 30 and final["data_position"] > state["data_position"]
 
 
 def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
-    """--lora-rank: every sync's probe finds the engine equal to the trainer's base + adapter, the
+    """--lora-rank: every sync's probe finds the engine equal to the trainer's base + adapter, by either
+    weight transport (the first run hands it over by ipc, the resumed one broadcasts it over the group), the
     checkpoint is a PEFT adapter, and --resume starts the engine on that adapter (the start-up probe)."""
     out = tmp_path / "lora"
     # (a large step: the adapter must move the probe's logprobs well past 1e-4 for the checks to mean much)
     lora = ["--lora-rank", "8", "--lr", "2e-2", "--warmup-steps", "0", "--save-every", "2",
             "--async-ratio", "1"]
-    r = finish(torchrun(out, "--steps", "2", *lora, rollout_gpus=1), out)
-    assert all(x["sync_probe_max_diff"] < 1e-4 for x in r)
+    r = finish(torchrun(out, "--steps", "2", *lora, "--weight-transport", "ipc", rollout_gpus=1), out)
+    assert "weights: ipc" in Path(out).with_suffix(".log").read_text()
+    assert all(x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4 for x in r)
     ck = out / "checkpoint"
     assert (ck / "adapter_model.safetensors").exists() and not (ck / "model.safetensors").exists()
     assert json.loads((ck / "adapter_config.json").read_text())["r"] == 8
     r = finish(torchrun(out, "--steps", "4", *lora, "--resume", rollout_gpus=1), out)
+    assert "weights: group" in Path(out).with_suffix(".log").read_text()
     assert [x["step"] for x in r] == [1, 2, 3, 4] and all(x["sync_probe_max_diff"] < 1e-4 for x in r[2:])
     start = re.search(r"rollout ready: .* probe diff ([0-9.e+-]+)", Path(out).with_suffix(".log").read_text())
     assert start and float(start.group(1)) < 1e-4          # the engine serves the checkpoint's adapter
@@ -300,16 +291,6 @@ def test_ipc_transport_two_trainer_ranks_each_hand_their_engine_the_weights(tmp_
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left(), left()
-
-
-def test_ipc_transport_lora_hands_over_the_adapter(tmp_path):
-    """--weight-transport ipc with --lora-rank: the adapter's tensors go the same way, into vLLM's LoRA
-    manager (a large step: the adapter moves the probe far past 1e-4)."""
-    out = tmp_path / "ipc-lora"
-    r = finish(torchrun(out, "--steps", "2", "--async-ratio", "1", "--save-every", "0",
-                        "--weight-transport", "ipc", "--lora-rank", "8", "--lr", "2e-2",
-                        "--warmup-steps", "0", rollout_gpus=1), out)
-    assert all(x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4 for x in r)
 
 
 def test_run_to_end_fails_naming_the_command_and_its_log(tmp_path):
