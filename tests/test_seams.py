@@ -1,0 +1,176 @@
+"""The core's seams, each plugged in from outside the core by the README's "Fork it" code (executed as
+written there) and run: a loss, an advantage estimator, an environment, a weight transport, an admission
+policy. A snippet that no longer plugs in or no longer does what the README says fails here."""
+
+import asyncio
+import dataclasses
+import pathlib
+import re
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+import config
+import losses
+import rollout
+import weight_sync
+from controller import ControllerConfig, WholeBatch
+from losses import LossConfig, compute_policy_loss, estimate_advantages
+from task import Problem
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def fork_it_blocks() -> dict[str, str]:
+    """The python blocks of the README's "Fork it", by the registry each one fills."""
+    text = README.read_text()
+    section = text[text.index("## Fork it"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    out = {}
+    for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "TRANSPORTS", "Admission"):
+        hits = [b for b in blocks if key in b]
+        assert len(hits) == 1, f"README.md's Fork it: {len(hits)} blocks name {key}, expected one"
+        out[key] = hits[0]
+    return out
+
+
+REGISTRIES = (losses.LOSSES, losses.ADV_ESTIMATORS, rollout.ENVS, weight_sync.TRANSPORTS, config.EXTENSIONS)
+
+
+@pytest.fixture
+def plug(monkeypatch):
+    """Run a README block as a module of its own (`fork_<key>`, in sys.modules while the test runs); every
+    registry is as it was afterwards."""
+    saved = [dict(r) for r in REGISTRIES]
+
+    def run(key: str, base: dict | None = None) -> types.ModuleType:
+        mod = types.ModuleType(f"fork_{key.lower()}")
+        mod.__dict__.update(base or {})
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        exec(compile(fork_it_blocks()[key], f"README.md (Fork it: {key})", "exec"), mod.__dict__)
+        return mod
+    yield run
+    for r, before in zip(REGISTRIES, saved):
+        r.clear()
+        r.update(before)
+
+
+def in_losses() -> dict:
+    """What a block written into losses.py sees (the README: "in losses.py or an ext/ file")."""
+    return {k: v for k, v in vars(losses).items() if not k.startswith("__")}
+
+
+def test_a_loss_is_one_function_and_its_entry(plug):
+    plug("LOSSES", in_losses())
+    assert LossConfig(loss="ppo_noclip").loss == "ppo_noclip"        # --loss accepts it
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 5, generator=g)
+    logp = (old + 0.1 * torch.randn(3, 5, generator=g)).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.ones(3, 5)
+    mask[1, 3:] = 0
+    loss, metrics = compute_policy_loss(logp, old, adv, mask, "ppo_noclip")
+    r = torch.exp(logp - old)
+    want = (-r * adv[:, None] * mask).sum() / mask.sum()                # token-mean of -r A
+    assert torch.allclose(loss, want)
+    loss.backward()
+    assert logp.grad is not None and logp.grad[1, 3:].abs().sum() == 0 and logp.grad.abs().sum() > 0
+
+
+def test_an_advantage_estimator_is_one_function_and_its_entry(plug):
+    plug("ADV_ESTIMATORS", in_losses())
+    assert LossConfig(adv_estimator="rloo").adv_estimator == "rloo"   # --adv-estimator accepts it
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    got = estimate_advantages(rewards, 4, "rloo")
+    want = [r - (sum(g) - r) / 3 for g in (rewards[:4].tolist(), rewards[4:].tolist()) for r in g]
+    assert got.tolist() == pytest.approx(want)
+
+    async def train(batch, advantages, version):                     # what the trainer is handed
+        return {"advantages": advantages}, None
+    backend = WholeBatch(train, 4, estimator="rloo")
+    backend.begin(0)
+    for k in (0, 4):
+        backend.add([types.SimpleNamespace(reward=float(x)) for x in rewards[k:k + 4]])
+    metrics, _ = asyncio.run(backend.finish())
+    assert metrics["advantages"] == pytest.approx(want)
+
+
+def test_an_environment_is_one_file(plug):
+    plug("ENVS")
+    assert ControllerConfig(env="retry").env == "retry"               # --env accepts it
+
+    def play(actions):
+        env = rollout.ENVS["retry"](Problem("2+2=", "4"), seed=0)
+        async def main():
+            out = [await env.reset(0)]
+            for a in actions:
+                out.append(await env.step(a))
+                if out[-1][2]:
+                    break
+            return out
+        return asyncio.run(main())
+    assert play(["4"])[1][1:3] == (1.0, True)
+    first, wrong, right = play(["5", "4"])
+    assert first == "2+2=" and wrong[1:3] == (0.0, False) and right[1:3] == (0.5, True)
+    assert play(["5", "3", "4"])[-1][1:3] == (0.0, True)              # two tries at most
+
+
+class RecordingRunner:
+    """A vLLM model runner's two calls the worker side uses; reload_weights keeps what arrives."""
+    device = torch.device("cpu")
+    got: list = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+        self.got = [(n, t.clone()) for n, t in weights_iterator]
+
+    def get_model(self):
+        return torch.nn.Module()
+
+
+def test_a_weight_transport_is_one_file_and_no_core_edit(plug, tmp_path):
+    """The README's file transport, through the core's two ends: the trainer's sender from TRANSPORTS, the
+    engine worker's WeightSyncWorker.receive_weights, which hands the spec's receiver the sync; two syncs,
+    bit-exact in the engine's dtype."""
+    plug("TRANSPORTS")
+    sender = weight_sync.TRANSPORTS["file"].sender(0, "gloo", host="127.0.0.1", port=0, store=None,
+                                                   prefix=f"test-{tmp_path.name}", device="cpu",
+                                                   timeout_s=30.0, bucket_bytes=1 << 16)
+    assert weight_sync.TRANSPORTS["file"].sender(1, "gloo", prefix="x") is None     # rank 0 sends
+    worker = weight_sync.WeightSyncWorker()
+    worker.model_runner, worker.rank = RecordingRunner(), 0
+    g = torch.Generator().manual_seed(1)
+    for seq in (1, 2):
+        named = [("a.weight", torch.randn(8, 4, generator=g)), ("b.bias", torch.randn(4, generator=g))]
+        meta = weight_sync.weight_meta(named, "bfloat16")
+        spec = sender.spec(0, 1).with_gen(0, seq)
+        sender.send(spec, iter(named), meta)
+        out = worker.receive_weights(dataclasses.asdict(spec), 1, meta)
+        assert out["tensors"] == 2
+        got = worker.model_runner.got
+        assert [n for n, _ in got] == ["a.weight", "b.bias"]
+        assert all(b.dtype == torch.bfloat16 and torch.equal(b, a.to(torch.bfloat16))
+                   for (_, a), (_, b) in zip(named, got))
+    shutil.rmtree(sender.path, ignore_errors=True)
+
+
+def test_an_admission_policy_is_one_file(plug, monkeypatch):
+    """The README's --sync-first: its flag parses, its Extension hands the controller its policy, and in a
+    simulated run (the real controller, env managers and proxies over the fake engine) the first steps
+    train only on samples of the current version, the later ones on older ones too."""
+    mod = plug("Admission")
+    assert "sync_first" in config.EXTENSIONS
+    from tools.sim import SimConfig, simulate
+    n, staleness = 3, []
+    cfg = SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=2, steps=8, warmup=1,
+                    async_ratio=2, redundant=0, filter_groups=False)
+
+    def setup(ctrl):
+        ctrl.admission = mod.SyncFirstExt(None, mod.SyncFirstConfig(sync_first=n)).admission(ctrl.cfg)
+        assert isinstance(ctrl.admission, mod.SyncFirst)
+
+    simulate(cfg, setup=setup, observe=lambda ctrl, step: staleness.append(step.info["staleness_max"]))
+    assert staleness[:n] == [0] * n and max(staleness[n:]) > 0, staleness
