@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+import runlog
 from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Lost, Phase, RolloutTask, SampleBuffer
 from config import check, flag, opt
 from losses import estimate_advantages
@@ -181,10 +182,6 @@ class AsyncController:
         """Admitted groups not lost or filtered (trained ones count: their batches' places)."""
         return self.groups_admitted - self._groups_lost()
 
-    def admission_capacity(self) -> int:
-        """How many more groups may be admitted now (the Admission policy's say)."""
-        return self.admission.capacity(self)
-
     def _next_problem(self) -> Problem:
         """The next prompt to admit: one to run again first, else the stream's next that fits the
         engine's context (single-turn: the prompt's tokens are known here; a multi-turn env's first
@@ -211,7 +208,7 @@ class AsyncController:
 
     async def admit(self, at_least: int = 0) -> int:
         """Admit as many groups as admission allows (at least `at_least`: Admission.begin_step's)."""
-        n = max(0, self.admission_capacity(), at_least)
+        n = max(0, self.admission.capacity(self), at_least)
         tasks = []
         for _ in range(n):
             problem = self._next_problem()
@@ -258,10 +255,10 @@ class AsyncController:
                 ready, t_progress = n_ready, now()
             if self.log and now() - t_beat >= cfg.heartbeat_s:
                 t_beat = now()
-                self.log(self._heartbeat(before, now() - t0))
+                self.log(runlog.collect_line(self, before, now() - t0))
             waited = now() - t_progress
             if waited > cfg.timeout_s:
-                raise TimeoutError(self._stall_report(before))
+                raise TimeoutError(runlog.stall_report(self, before))
             if self.recovery is not None and now() - self._t_recovery >= 1.0:
                 self._t_recovery = now()
                 await self.recovery.serve(self)          # a replaced engine waits for weights
@@ -297,7 +294,7 @@ class AsyncController:
         self._commit(committed, on_group)
         groups = committed
         if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
-            raise RuntimeError(self._spin_report(before, "and no group is left to train on"))
+            raise RuntimeError(runlog.spin_report(self, before, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
@@ -334,24 +331,16 @@ class AsyncController:
         if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
                 and filtered >= 4 * n_ready):
             self._warned_filtering = True
-            self.log(f"dynamic filtering: {self._spin_report(before)}. --max-gen-batches N bounds the "
+            self.log(f"dynamic filtering: {runlog.spin_report(self, before)}. --max-gen-batches N bounds the "
                      f"resampling per step; --filter-groups false trains on such groups")
         if not cfg.max_gen_batches or filtered + n_ready < cfg.max_gen_batches * cfg.batch_groups:
             return False
         if cfg.on_max_gen_batches == "error" or n_ready == 0:
             raise RuntimeError(f"{self.buffer.who}: --max-gen-batches {cfg.max_gen_batches} reached: "
-                               + self._spin_report(before, f"and only {n_ready} of {cfg.batch_groups} "
+                               + runlog.spin_report(self, before, f"and only {n_ready} of {cfg.batch_groups} "
                                                            f"groups are ready (--on-max-gen-batches train "
                                                            f"trains what is ready)"))
         return True
-
-    def _spin_report(self, before: dict, tail: str = "") -> str:
-        filtered = self.asm.groups_filtered - before["filtered"]
-        mean = sum(self.step_rewards) / max(len(self.step_rewards), 1)
-        step = self.version - self.version0 + 1
-        return (f"{filtered} groups completed in step {step} had all-equal rewards "
-                f"(reward mean {mean:.3f}: the task is too hard or too easy for the model) "
-                f"{tail}").rstrip()
 
     async def _tapped(self, s) -> bool:
         for tap in self.taps:
@@ -387,36 +376,10 @@ class AsyncController:
             await self._abort_groups(gids)
         return problems
 
-    def _heartbeat(self, before: dict, elapsed: float) -> str:
-        asm = self.asm
-        return (f"  collecting step {self.version - self.version0 + 1} for {elapsed:.0f}s: {asm.num_ready()}/"
-                f"{self.cfg.batch_groups} groups ready, {len(self.step_rewards)} samples in, "
-                f"{asm.samples_failed - before['failed']} failed, "
-                f"{asm.groups_filtered - before['filtered']} groups filtered, "
-                f"{self.buffer.num_queued_tasks()} tasks queued")
-
     def in_flight_problems(self, skip=()) -> list[Problem]:
         """Prompts admitted and not yet trained or lost, oldest first (groups in `skip` left out): a
         checkpoint keeps them, so a resumed run admits them again instead of skipping them."""
         return list(self.readmit) + [p for g, p in self.problem_of.items() if g not in skip]
-
-    def _stall_report(self, before: dict) -> str:
-        """Why no batch could form: what happened to the samples of this step, with an example."""
-        asm = self.asm
-        failed, filtered = asm.samples_failed - before["failed"], asm.groups_filtered - before["filtered"]
-        stale = asm.samples_dropped_stale - before["stale"]
-        msg = (f"{self.buffer.who}: no new group became ready for {self.cfg.timeout_s:.0f}s "
-               f"({asm.num_ready()} of {self.cfg.batch_groups} ready); this step so far: "
-               f"{len(self.step_rewards)} samples arrived, {failed} failed, {filtered} groups filtered "
-               f"(all rewards equal), {stale} dropped as stale")
-        if failed and asm.last_failed is not None:
-            msg += f"; a failed sample: {asm.last_failed.meta.get('error', '?')}"
-        elif filtered and asm.last_filtered:
-            msg += (f"; a filtered group: rewards {[x.reward for x in asm.last_filtered]} "
-                    f"(every sample of a group scored alike: the task too hard or too easy for the model?)")
-        elif not self.step_rewards and not failed:
-            msg += "; nothing arrived at all: are the rollout ranks alive and pulling tasks?"
-        return msg
 
     def _all_admitted_done(self) -> bool:
         """Batch mode barrier: every admitted group is either complete or lost."""
@@ -493,31 +456,11 @@ class AsyncController:
         version, probe_ref = self.in_flight
         acks = await self._wait_acks(Phase.SYNCED, version)
         self.in_flight = None
-        return {"synced_version": version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
-                **self._rank_deltas(acks), "rollout_utilisation": self._utilisation(acks),
+        return {"synced_version": version, "sync_probe_max_diff": runlog.probe_diff(acks, probe_ref),
+                **runlog.engine_deltas(acks, self.last_engine),
                 "time_receive": max(a.timings["receive_s"] for a in acks),
                 "time_engine_load": max(a.timings["load_s"] for a in acks),
                 "time_vllm_load": max(a.timings.get("vllm_load_s", 0.0) for a in acks)}
-
-    def _rank_deltas(self, acks: list[Ack]) -> dict:
-        """Since each rank's previous SYNCED ack, over all ranks: tokens its engine generated, the model
-        tokens of trajectories it aborted (and their share), its verifier calls cut by the timeout."""
-        d = {}
-        for key in ("tokens", "tokens_aborted", "reward_timeouts"):
-            d[key] = sum(a.engine.get(key, 0) - self.last_engine.get(a.rank, {}).get(key, 0) for a in acks)
-        return {"tokens_generated": d["tokens"], "tokens_aborted": d["tokens_aborted"],
-                "aborted_token_share": d["tokens_aborted"] / d["tokens"] if d["tokens"] else 0.0,
-                "reward_timeouts": d["reward_timeouts"]}
-
-    def _utilisation(self, acks: list[Ack]) -> float:
-        """Engine busy time / wall time since each rank's previous SYNCED ack, over all ranks."""
-        busy = elapsed = 0.0
-        for ack in acks:
-            e, prev = ack.engine, self.last_engine.get(ack.rank, {"busy_s": 0.0, "idle_s": 0.0})
-            busy += e["busy_s"] - prev["busy_s"]
-            elapsed += (e["busy_s"] + e["idle_s"]) - (prev["busy_s"] + prev["idle_s"])
-            self.last_engine[ack.rank] = e
-        return busy / elapsed if elapsed > 0 else 0.0
 
     async def _wait_acks(self, phase: Phase, version: int | None, startup: bool = False) -> list[Ack]:
         """Wait until every rollout rank acked `phase` for `version`, within --timeout-s (startup:
@@ -545,22 +488,14 @@ class AsyncController:
                 self.events.extend(a.events or [])
         return got
 
-    async def sleep_engines(self):
-        """--colocate: every engine ends its work and frees its GPU memory for the trainer on the same
-        GPU; the next sync_weights wakes them (the load needs them awake)."""
-        # the previous SYNC's acks first (reported by the next sync)
-        self.unreported = await self.finish_sync()
-        for r in range(self.num_ranks):
-            await self.buffer.send_command(r, Command(Cmd.SLEEP))
-        await self._wait_acks(Phase.SLEPT, None)
-
     async def wait_ready(self, probe_ref: list[float] | None = None) -> dict:
         """Wait until every rollout rank reports its engine up (ack READY). With probe_ref (the
         trainer's logprobs of the probe), compare the engines' own: do they start from the same
         weights? Returns that check in finish_sync's terms, for version `self.version`."""
         acks = await self._wait_acks(Phase.READY, None, startup=True)
-        self.unreported = {"synced_version": self.version, "sync_probe_max_diff": probe_diff(acks, probe_ref),
-                           "rollout_utilisation": self._utilisation(acks)}
+        util = runlog.engine_deltas(acks, self.last_engine)["rollout_utilisation"]
+        self.unreported = {"synced_version": self.version, "rollout_utilisation": util,
+                           "sync_probe_max_diff": runlog.probe_diff(acks, probe_ref)}
         return self.unreported
 
     def counters(self) -> dict:
@@ -584,14 +519,6 @@ class AsyncController:
             self.failed_received += s.failed
             self.samples_unconsumed += 1
         return stats
-
-
-def probe_diff(acks: list[Ack], probe_ref: list[float] | None) -> float | None:
-    """Largest |engine - trainer| logprob over the probe tokens and ranks; None if not probed."""
-    if probe_ref is None:            # (--check-sync-every 0: the engines' READY probe has nothing to meet)
-        return None
-    diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks if ack.probe is not None]
-    return max(diffs) if probe_ref is not None and diffs else None
 
 
 class WholeBatch:

@@ -217,3 +217,65 @@ def trim_metrics(out_dir: str, step: int):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the controller reports (it passes itself and the step's counters at its start, `before`)
+
+
+def collect_line(ctrl, before: dict, elapsed: float) -> str:
+    """The heartbeat while a step collects (every --heartbeat-s)."""
+    asm = ctrl.asm
+    return (f"  collecting step {ctrl.version - ctrl.version0 + 1} for {elapsed:.0f}s: {asm.num_ready()}/"
+            f"{ctrl.cfg.batch_groups} groups ready, {len(ctrl.step_rewards)} samples in, "
+            f"{asm.samples_failed - before['failed']} failed, {asm.groups_filtered - before['filtered']} "
+            f"groups filtered, {ctrl.buffer.num_queued_tasks()} tasks queued")
+
+
+def stall_report(ctrl, before: dict) -> str:
+    """Why no batch could form: what happened to the samples of this step, with an example."""
+    asm = ctrl.asm
+    failed, filtered = asm.samples_failed - before["failed"], asm.groups_filtered - before["filtered"]
+    msg = (f"{ctrl.buffer.who}: no new group became ready for {ctrl.cfg.timeout_s:.0f}s "
+           f"({asm.num_ready()} of {ctrl.cfg.batch_groups} ready); this step so far: "
+           f"{len(ctrl.step_rewards)} samples arrived, {failed} failed, {filtered} groups filtered "
+           f"(all rewards equal), {asm.samples_dropped_stale - before['stale']} dropped as stale")
+    if failed and asm.last_failed is not None:
+        msg += f"; a failed sample: {asm.last_failed.meta.get('error', '?')}"
+    elif filtered and asm.last_filtered:
+        msg += (f"; a filtered group: rewards {[x.reward for x in asm.last_filtered]} "
+                f"(every sample of a group scored alike: the task too hard or too easy for the model?)")
+    elif not ctrl.step_rewards and not failed:
+        msg += "; nothing arrived at all: are the rollout ranks alive and pulling tasks?"
+    return msg
+
+
+def spin_report(ctrl, before: dict, tail: str = "") -> str:
+    """Dynamic filtering that keeps resampling: how many of this step's groups it dropped, and why."""
+    mean = sum(ctrl.step_rewards) / max(len(ctrl.step_rewards), 1)
+    return (f"{ctrl.asm.groups_filtered - before['filtered']} groups completed in step "
+            f"{ctrl.version - ctrl.version0 + 1} had all-equal rewards (reward mean {mean:.3f}: the task is "
+            f"too hard or too easy for the model) {tail}").rstrip()
+
+
+def engine_deltas(acks: list, last: dict) -> dict:
+    """Since each rank's previous SYNCED ack (`last`: rank -> its engine stats then, updated here), over all
+    ranks: tokens generated, the model tokens of trajectories aborted (and their share), verifier calls cut
+    by the timeout, and the engines' utilisation (busy time / wall time)."""
+    d = {key: sum(a.engine.get(key, 0) - last.get(a.rank, {}).get(key, 0) for a in acks)
+         for key in ("tokens", "tokens_aborted", "reward_timeouts", "busy_s", "idle_s")}
+    for a in acks:
+        last[a.rank] = a.engine
+    elapsed = d["busy_s"] + d["idle_s"]
+    return {"tokens_generated": d["tokens"], "tokens_aborted": d["tokens_aborted"],
+            "aborted_token_share": d["tokens_aborted"] / d["tokens"] if d["tokens"] else 0.0,
+            "reward_timeouts": d["reward_timeouts"],
+            "rollout_utilisation": d["busy_s"] / elapsed if elapsed > 0 else 0.0}
+
+
+def probe_diff(acks: list, probe_ref: list[float] | None) -> float | None:
+    """Largest |engine - trainer| logprob over the probe tokens and ranks; None if not probed (--check-sync-
+    every 0: the engines' READY probe has nothing to meet)."""
+    diffs = [max(abs(a - b) for a, b in zip(ack.probe, probe_ref)) for ack in acks
+             if ack.probe is not None and probe_ref is not None]
+    return max(diffs) if diffs else None

@@ -36,6 +36,7 @@ from datetime import timedelta
 
 import torch
 
+from buffer import Cmd, Command, Phase
 from config import Extension, extension, opt
 from weight_sync import TRANSPORTS, GroupSpec, Meta, meta_bytes, pack, plan_buckets
 
@@ -326,6 +327,16 @@ def engine_memory_share(cfg, model_dir: str, who: str) -> float:
     return share
 
 
+async def sleep_engines(ctrl):
+    """Every engine ends its work and frees its GPU memory for the trainer on the same GPU (SLEEP, ack
+    SLEPT); the next sync_weights wakes them (the load needs them awake). The previous SYNC's acks are
+    awaited first (reported by the next sync)."""
+    ctrl.unreported = await ctrl.finish_sync()
+    for r in range(ctrl.num_ranks):
+        await ctrl.buffer.send_command(r, Command(Cmd.SLEEP))
+    await ctrl._wait_acks(Phase.SLEPT, None)
+
+
 @extension
 class Colocate(Extension):
     name, Config = "colocate", ColocateConfig
@@ -359,7 +370,7 @@ class Colocate(Extension):
         return args
 
     async def before_train(self, ctrl):
-        await ctrl.sleep_engines()                 # their GPUs' memory, for training
+        await sleep_engines(ctrl)                  # their GPUs' memory, for training
 
     def after_train(self, trainer):
         if trainer.device.type == "cuda":

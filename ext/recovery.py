@@ -128,7 +128,7 @@ class SyncRecovery:
         """An engine replaced after the first sync waits, suspended, for the current weights: sync the current
         version again over a new group, probed when the last sync was. Its acks are awaited here; the sync in
         flight, if any, is finished first, and the next report carries the resync's probe."""
-        from controller import probe_diff
+        from runlog import probe_diff
         ctrl.acks += ctrl.buffer.get_acks_nowait()
         if ctrl.send_fn is None or not any(a.phase == Phase.REPLACED for a in ctrl.acks):
             return

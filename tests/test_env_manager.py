@@ -22,6 +22,7 @@ from ext.recovery import EngineRecovery, SyncRecovery
 from tools.fake_engine import FakeTimedEngine
 from proxy import EngineError, LLMProxy, Status
 from conftest import run_virtual
+from ext.colocate import sleep_engines
 from ext.eval import Evaluation
 from task import Problem
 
@@ -1244,7 +1245,7 @@ def test_a_sleep_during_evaluation_runs_the_aborted_tasks_again_and_the_round_co
         await ev.start([Problem("1+1=", "2"), Problem("2+2=", "4")], k=2)
         await asyncio.sleep(2 * STEP)                  # (virtual time) the 6 tasks run: 5 tokens take 5 steps
         assert len(managers[0].jobs) == 6
-        await ctrl.sleep_engines()                     # the trainer takes the GPU
+        await sleep_engines(ctrl)                     # the trainer takes the GPU
         aborted = managers[0].counters["aborted_by_request"]
         await ctrl.sync_weights(1, send_fn=lambda group: None)   # wakes the engine
         result = await ev.finish()

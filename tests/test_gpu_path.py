@@ -16,6 +16,7 @@ import torch
 from buffer import Cmd, Command, LocalQueues, Phase, SampleBuffer
 from conftest import run_virtual
 from controller import AsyncController, ControllerConfig
+from ext.colocate import sleep_engines
 from env_manager import EnvManager, RolloutConfig
 from tools.fake_engine import FakeTimedEngine
 from proxy import LLMProxy, Status
@@ -121,7 +122,7 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
         seen = []
         for step in range(2):
             batch, _ = await ctrl.collect()
-            await ctrl.sleep_engines()
+            await sleep_engines(ctrl)
             seen.append((proxy.asleep, proxy.engine.asleep, proxy.status, len(batch)))
             await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda group: None)
         await ctrl.finish_sync()

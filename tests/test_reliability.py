@@ -236,45 +236,62 @@ def test_a_step_that_cannot_complete_fails_with_the_reason(kind):
         assert "nothing arrived" in msg
 
 
-SAVE_LOOP = """
-import sys, time
+SAVE_SERVER = """
+import os, sys
 sys.path.insert(0, {root!r})
+import torch
+torch.set_num_threads(1)
 from trainer import Trainer, TrainConfig, read_checkpoint_state
-tr = Trainer({model!r}, TrainConfig())
-st = read_checkpoint_state({out!r})
-step = st["step"] if st else 0
-print("saving", flush=True)
-while True:
-    step += 1
-    tr.save_checkpoint({out!r}, {{"step": step, "version": step}}, {model!r})
+tr = Trainer({model!r}, TrainConfig())            # imported and built once: each child is a fork of this
+print("ready", flush=True)
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:                                  # a trainer that saves every iteration until it is killed
+        st = read_checkpoint_state({out!r})
+        step = st["step"] if st else 0
+        print("saving", os.getpid(), flush=True)
+        while True:
+            step += 1
+            tr.save_checkpoint({out!r}, {{"step": step, "version": step}}, {model!r})
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
 """
 
 
 def test_checkpoint_survives_sigkill_at_any_moment(tmp_path, tiny_model_dir):
     """Save every iteration, SIGKILL at random moments, 20 times: each time the latest checkpoint
-    loads (state, model, optimizer) and the step never goes back."""
+    loads (state, model, optimizer) and the step never goes back. (Each saving process is a fork of one
+    that imported and built the trainer once: 20 fresh interpreters spent ~2 minutes importing.)"""
     import random
 
     from transformers import AutoModelForCausalLM
 
     from trainer import TrainConfig, Trainer, read_checkpoint_state
     out, rng, last = tmp_path / "run", random.Random(0), 0
-    code = SAVE_LOOP.format(root=str(ROOT), model=str(tiny_model_dir), out=str(out))
-    for kill in range(20):
-        p = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "saving"
-        time.sleep(rng.uniform(0.05, 1.0))         # saves take ~50-150 ms: most kills land mid-save
-        p.kill()
-        p.wait(30)
-        state = read_checkpoint_state(str(out))
-        if state is None:                          # killed before the first save completed
-            assert last == 0
-            continue
-        assert state["step"] >= last
-        last = state["step"]
-        ck = out / "checkpoint"
-        AutoModelForCausalLM.from_pretrained(ck)   # the latest checkpoint is a loadable HF model dir ...
-        torch.load(ck / "optimizer.rank0.pt", weights_only=True)   # ... with its optimizer state
+    code = SAVE_SERVER.format(root=str(ROOT), model=str(tiny_model_dir), out=str(out))
+    server = subprocess.Popen([PY, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        for kill in range(20):
+            server.stdin.write("go\n")
+            server.stdin.flush()
+            word, pid = server.stdout.readline().split()
+            assert word == "saving"
+            time.sleep(rng.uniform(0.05, 1.0))         # saves take ~50-150 ms: most kills land mid-save
+            os.kill(int(pid), signal.SIGKILL)
+            assert server.stdout.readline().strip() == "killed"
+            state = read_checkpoint_state(str(out))
+            if state is None:                          # killed before the first save completed
+                assert last == 0
+                continue
+            assert state["step"] >= last
+            last = state["step"]
+            ck = out / "checkpoint"
+            AutoModelForCausalLM.from_pretrained(ck)   # the latest checkpoint is a loadable HF model dir ...
+            torch.load(ck / "optimizer.rank0.pt", weights_only=True)   # ... with its optimizer state
+    finally:
+        server.stdin.close()
+        server.wait(30)
     assert last >= 10
     Trainer(str(ck), TrainConfig()).load_optimizer(ck)
 

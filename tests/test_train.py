@@ -65,16 +65,30 @@ def rows(out_dir) -> list[dict]:
 
 @pytest.mark.parametrize("async_ratio", [2, 0])
 def test_async_and_sync_runs(tmp_path, async_ratio):
+    """Ratio 2: 2 trainer ranks (FSDP) and 2 engines, the ipc transport (trainer rank i hands engine i
+    shared-memory buckets, the CPU twin of --colocate's CUDA IPC: no file is left in /dev/shm), held-out
+    evaluation. Ratio 0: the group broadcast, with env failures and hangs injected (FaultyEnv, LatencyEnv):
+    every failure a rollout rank reported reached the controller, hung calls timed out, and no sample was
+    trained twice. Both: every sync's probe finds the engines holding the trainer's weights."""
     out = tmp_path / f"ratio{async_ratio}"
+    shm_before = set(os.listdir("/dev/shm"))
     evaluation = ["--eval-every", "2", "--eval-prompts", "8", "--eval-k", "2"] if async_ratio else []
     # the off-policy machinery along: decoupled PPO over 2 mini-batches (async), recomputed old logprobs
     # (sync, with Dr. GRPO's advantages); training samples at temperature 0.7 (beside the evaluation's
     # greedy and T = 1 ones): engine and trainer log-probs then still agree (logp_diff_on_policy, ratio 1)
     loss = (["--loss", "decoupled_ppo", "--mini-batches", "2", "--behav-weight-cap", "5"] if async_ratio else
             ["--recompute-old-logprobs", "--adv-estimator", "drgrpo"]) + ["--temperature", "0.7"]
-    r = finish(torchrun(out, "--steps", "4", "--async-ratio", str(async_ratio), "--save-every", "0",
-                        *evaluation, *loss), out)
-    assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["version"] for x in r] == [1, 2, 3, 4]
+    # A hung call counts as a timeout only once it has hung --env-step-timeout-s, and a short run can
+    # end first (a CI run failed so, with 4 steps and a 2 s timeout): 6 steps, 1 s, 10% of calls hang.
+    faults = ["--env-fail-rate", "0.1", "--env-hang-rate", "0.1", "--env-step-timeout-s", "1",
+              "--env-latency-s", "0.01"]
+    ipc = ["--weight-transport", "ipc", "--bucket-mb", "1"]
+    ranks, extra, steps = (dict(train_gpus=2, rollout_gpus=2), ipc, 4) if async_ratio else (dict(), faults, 6)
+    r = finish(torchrun(out, "--steps", str(steps), "--async-ratio", str(async_ratio), "--save-every", "0",
+                        *evaluation, *loss, *extra, **ranks), out)
+    assert [x["step"] for x in r] == list(range(1, steps + 1))
+    assert [x["version"] for x in r] == [x["step"] for x in r]
+    assert f"weights: {'ipc' if async_ratio else 'group'}" in Path(out).with_suffix(".log").read_text()
     for x in r:
         assert x["staleness_max"] <= async_ratio
         assert x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4
@@ -97,6 +111,24 @@ def test_async_and_sync_runs(tmp_path, async_ratio):
         assert 2 in [x["eval_version"] for x in evals] or "evaluation of version 2" in log
         assert all(0.0 <= x["eval_greedy"] <= 1.0 and 0.0 <= x["eval_mean_at_2"] <= 1.0 for x in evals)
     assert (out / "checkpoint" / "state.json").exists()
+    if async_ratio == 0:     # the injected faults, all counted
+        assert all(x["samples_duplicate"] == 0 for x in r)
+        stats = json.loads((out / "rollout_stats.json").read_text())
+        ranks, ctrl = stats["rollout_ranks"], stats["controller"]
+        failed = sum(rk["samples_failed"] for rk in ranks)
+        assert failed > 0 and ctrl["failed_samples_received"] == failed
+        assert sum(rk["env_timeouts"] for rk in ranks) > 0 and sum(rk["retries"] for rk in ranks) > 0
+        assert sum(x["samples_failed"] for x in r) > 0
+    else:                    # the ipc transport's shared memory, all unlinked
+
+        def left():          # shared-memory files this run made (torch_<pid>_...) whose process is gone
+            import psutil
+            return [f for f in set(os.listdir("/dev/shm")) - shm_before
+                    if f.startswith("torch_") and not psutil.pid_exists(int(f.split("_")[1]))]
+        deadline = time.monotonic() + 30        # (torch_shm_manager unlinks what an exiting process left)
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left(), left()
 
 
 def test_bad_flags_name_the_problem(tmp_path):
@@ -115,28 +147,8 @@ def test_bad_flags_name_the_problem(tmp_path):
         assert flag in h.stdout
 
 
-def test_injected_env_failures_and_hangs_are_all_counted(tmp_path):
-    """Env failures and hangs injected from the launch (FaultyEnv, LatencyEnv): the run finishes,
-    every failure a rollout rank reported reached the controller, hung calls timed out, and no
-    sample was trained twice."""
-    out = tmp_path / "faults"
-    # A hung call counts as a timeout only once it has hung --env-step-timeout-s, and a short run can
-    # end first (a CI run failed so, with 4 steps and a 2 s timeout): 6 steps, 1 s, 10% of calls hang.
-    r = finish(torchrun(out, "--steps", "6", "--async-ratio", "1", "--save-every", "0",
-                        "--env-fail-rate", "0.1", "--env-hang-rate", "0.1", "--env-step-timeout-s", "1",
-                        "--env-latency-s", "0.01"), out)
-    assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
-    assert all(x["num_samples"] == 16 and x["samples_duplicate"] == 0 for x in r)
-    stats = json.loads((out / "rollout_stats.json").read_text())
-    ranks, ctrl = stats["rollout_ranks"], stats["controller"]
-    failed = sum(rk["samples_failed"] for rk in ranks)
-    assert failed > 0 and ctrl["failed_samples_received"] == failed
-    assert sum(rk["env_timeouts"] for rk in ranks) > 0 and sum(rk["retries"] for rk in ranks) > 0
-    assert sum(x["samples_failed"] for x in r) > 0
-
-
-@pytest.mark.parametrize("victims", [("engine core", "engine worker"), ("rollout rank",), ("trainer rank",),
-                                     ("torchrun",)], ids=" then ".join)
+@pytest.mark.parametrize("victims", [("engine core", "engine worker"), ("trainer rank",), ("torchrun",)],
+                         ids=" then ".join)
 def test_killed_process_leaves_nothing_behind(tmp_path, victims):
     """SIGKILL one process of a running job. An engine (core or worker) is replaced and the run goes on: the
     engine's two processes are killed one after the other in one run, the second once the first's
@@ -191,10 +203,11 @@ def test_killed_process_leaves_nothing_behind(tmp_path, victims):
 
 
 def test_a_killed_rank_restarts_and_the_run_resumes_from_its_last_checkpoint(tmp_path):
-    """torchrun --max-restarts + --resume auto: SIGKILL a rank after a checkpoint; the restarted ranks resume
-    on their own from the last checkpoint (a killed rank costs at most one checkpoint interval): the rows past
-    it are trimmed, so metrics.jsonl ends with every step exactly once; the resumed steps continue its
-    version, with the engines holding the trainer's weights, and its data position moves on."""
+    """torchrun --max-restarts + --resume auto: SIGKILL a rank after a checkpoint; no process of that attempt
+    is left, and the restarted ranks resume on their own from the last checkpoint (a killed rank costs at
+    most one checkpoint interval): the rows past it are trimmed, so metrics.jsonl ends with every step
+    exactly once; the resumed steps continue its version, with the engines holding the trainer's weights,
+    and its data position moves on."""
     out = tmp_path / "heal"
     # 30 steps of ~0.1 s: the kill lands while the run is still going (with 6 it could come after the end)
     p = torchrun(out, "--steps", "30", "--save-every", "2", "--async-ratio", "1", "--resume", "auto",
@@ -204,10 +217,15 @@ def test_a_killed_rank_restarts_and_the_run_resumes_from_its_last_checkpoint(tmp
         assert p.poll() is None, Path(out).with_suffix(".log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.5)
-    [rollout] = [proc for role, proc in job_tree(p.pid).values() if role == "rollout rank"]
+    first = {pid: (role, proc) for pid, (role, proc) in job_tree(p.pid).items() if role != "torchrun"}
+    [rollout] = [proc for role, proc in first.values() if role == "rollout rank"]
     rollout.kill()
     state = json.loads((out / "checkpoint" / "state.json").read_text())     # (at least this one was saved)
     r = finish(p, out)
+    # the killed rank's job, every process of it (its engine's, the trainer's, the queue server), is gone
+    alive = [f"{role} {pid}" for pid, (role, proc) in first.items()
+             if proc.is_running() and proc.status() != "zombie"]
+    assert not alive, f"left behind by the killed rollout rank's job: {alive}"
     assert [x["step"] for x in r] == list(range(1, 31)) and [x["version"] for x in r] == list(range(1, 31))
     log = Path(out).with_suffix(".log").read_text()
     resumed = [int(n) for n in re.findall(r"resuming at step (\d+)", log)]
@@ -268,29 +286,6 @@ def test_tail_batching_and_the_streaming_trainer_under_torchrun_with_resume(tmp_
         assert x["round"] in ("short", "long") and x["time_trainer_busy"] > 0
     assert r[3]["round"] == ("long" if len(state["long_queue"]) >= 4 else "short")
     assert sum(x["prompts_deferred"] for x in r) > 0 and "long" in [x["round"] for x in r]
-
-
-def test_ipc_transport_two_trainer_ranks_each_hand_their_engine_the_weights(tmp_path):
-    """--weight-transport ipc, 2 trainer ranks (FSDP) + 2 engines: trainer rank i hands engine i shared-
-    memory buckets (the CPU twin of --colocate's CUDA IPC, the same code); after every sync both
-    engines hold the trainer's weights (the probe: float32, within 1e-4), and no file is left in
-    /dev/shm."""
-    out = tmp_path / "ipc"
-    before = set(os.listdir("/dev/shm"))
-    r = finish(torchrun(out, "--steps", "3", "--async-ratio", "1", "--save-every", "0",
-                        "--weight-transport", "ipc", "--bucket-mb", "1", rollout_gpus=2, train_gpus=2), out)
-    assert [x["step"] for x in r] == [1, 2, 3]
-    assert all(x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4 for x in r)
-    assert "weights: ipc" in Path(out).with_suffix(".log").read_text()
-
-    def left():      # shared-memory files this run made (torch_<pid>_...) whose process is gone
-        import psutil
-        return [f for f in set(os.listdir("/dev/shm")) - before
-                if f.startswith("torch_") and not psutil.pid_exists(int(f.split("_")[1]))]
-    deadline = time.monotonic() + 30        # (torch_shm_manager unlinks what an exiting process left)
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left(), left()
 
 
 def test_run_to_end_fails_naming_the_command_and_its_log(tmp_path):
