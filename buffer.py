@@ -71,6 +71,11 @@ class Sample:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def notice(self) -> bool:
+        """A rank's notice that this sample will never come (its own abort, its engine lost), not a failure."""
+        return self.failed and ("aborted" in self.meta or "engine_lost" in self.meta)
+
 
 def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
     """Freshness rule: usable by the trainer at `version` iff oldest >= version - async_ratio."""

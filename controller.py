@@ -271,7 +271,7 @@ class AsyncController:
             gid = s.group_id
             closed_before, alive_before = len(asm.closed), gid not in asm.dead
             asm.add(s, self.version)
-            self.failed_received += s.failed and "aborted" not in s.meta   # (not a rank's abort notice)
+            self.failed_received += s.failed and not s.notice
             if not s.failed:
                 self.step_rewards.append(s.reward)
             if alive_before and gid in asm.dead:
@@ -516,7 +516,7 @@ class AsyncController:
         stats = [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
         # a rank sends its last samples before its STOPPED ack: count what nobody will train on
         while (s := self.buffer.get_sample_nowait()) is not None:
-            self.failed_received += s.failed
+            self.failed_received += s.failed and not s.notice
             self.samples_unconsumed += 1
         return stats
 
