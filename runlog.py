@@ -1,4 +1,5 @@
-"""runlog.py: what a run records and prints on trainer rank 0: metrics.jsonl, the step line, the summary.
+"""runlog.py: what a run records and prints on trainer rank 0: metrics.jsonl, the step line, the summary,
+and the controller's reports (its heartbeat, why a step stalls, the engines' numbers between acks).
 
     log = RunLog(cfg, start_step, exts)             # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
