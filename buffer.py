@@ -73,7 +73,7 @@ class Sample:
 
     @property
     def notice(self) -> bool:
-        """A rank's notice that this sample will never come (its own abort, its engine lost), not a failure."""
+        """A rank's notice that this sample will never come (its own abort, its engine lost): no failure."""
         return self.failed and ("aborted" in self.meta or "engine_lost" in self.meta)
 
 
