@@ -22,8 +22,8 @@ import math
 
 from buffer import Ack, Cmd, Command, Lost, Phase, RolloutTask, Sample, fresh
 from proxy import EngineError, Status, now
-from rollout import (ENVS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory, env_seed,
-                     inline_reward, run_trajectory)
+from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory,
+                     env_seed, inline_reward, run_trajectory)
 from task import load_reward
 
 
@@ -77,7 +77,7 @@ class EnvManager:
     def stats(self) -> dict:
         return {**self.counters, "in_flight": self.slots_used,
                 "env_deadline_s": dict(self.deadline.current_s),    # {"reset": s, "step": s}, seconds
-                **self.reward_stats(), "proxy": self.proxy.stats()}
+                **self.reward_stats(), "proxy": self.proxy.stats(), **{k: f() for k, f in RANK_STATS.items()}}
 
     def reward_stats(self) -> dict:
         """The scorer's timeouts (calls that scored 0 for it) and its deadline now; the tokens this rank

@@ -6,6 +6,8 @@ settings.
     class Env:                    # what an environment is (ENVS: name -> factory(problem, seed, reward_fn))
         async def reset(self, seed: int) -> str                              # first observation
         async def step(self, action: str) -> tuple[str, float, bool, dict]   # obs, reward, done, info
+    class DrivingEnv:             # or one that drives its own turns (ext/agent.py: OpenAI-client agents)
+        async def run(self, proxy, fmt, cfg, task, traj, tag, meta, deadline) -> Sample   # rollout_once's
 
 run_trajectory runs reset -> (generate -> step)* -> reward for one sample of a RolloutTask over an
 LLMProxy, retrying after env failures; it knows nothing of slots, queues or commands (env_manager.py
@@ -109,6 +111,7 @@ async def score(problem: task.Problem, response: str, reward_fn=None) -> float:
 
 
 ENVS = {"": lambda problem, seed, reward_fn=None: SingleTurnEnv(problem, reward_fn)}
+RANK_STATS = {}     # name -> () -> dict: an env's own counters, in its rollout rank's stats (ext/agent.py)
 
 
 class FixedDeadline:
@@ -320,6 +323,8 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         deadline.record(kind, now() - t0)            # (a call that raised says nothing of the latency)
         return out
 
+    if hasattr(env, "run"):        # an env that drives its own turns (ext/agent.py): it makes the Sample
+        return await env.run(proxy, fmt, cfg, task, traj, tag, meta, deadline)
     obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
     traj.prompt_ids = fmt.first(obs)
     cap = cfg.max_model_len
@@ -364,3 +369,4 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
                   finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
                   meta={**(meta or {}), "eval": task.eval_temperature is not None})
+

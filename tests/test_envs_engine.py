@@ -246,6 +246,55 @@ def test_tokens_in_tokens_out(vllm_proxy, hf):
     assert any(s.num_turns > 1 for s in samples if s.task_id.startswith("guess"))
 
 
+def test_an_openai_client_agent_on_the_real_engine_is_token_in_token_out(vllm_proxy, hf):
+    """--agent (ext/agent.py): an agent written against the real openai client, served by the rank's
+    endpoint over the real engine. Each trained sample is exactly the engine's calls stitched: every
+    call's input is prompt + response so far, the engine's tokens are the mask-1 ones with its logprobs
+    (equal to transformers' within 1e-4), and what the agent added between calls is mask 0; the tiny
+    model's template is append-only, so no call restarts its trajectory."""
+    from ext.agent import register
+    lt, proxy = vllm_proxy
+    model, tok = hf
+    cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
+
+    async def agent(client, model_name, problem):
+        messages = [{"role": "user", "content": problem["prompt"]}]
+        for turn in range(3):
+            r = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=4 + turn)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": f" then {turn}:"}]
+        return float(r.choices[0].finish_reason in ("stop", "length"))
+
+    endpoint = register(agent, "engine test agent", "policy")
+    rec = Recorder()
+    tasks = [RolloutTask(f"agent{i}", f"agent-group{i}", p, env="agent")
+             for i, p in enumerate(make_problems(4, seed=3))]
+    samples, stats = run_tasks(lt, proxy, tok, cfg, tasks, rec)
+    lt.run(endpoint.close_server())
+    assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0, failures(samples)
+    assert stats["agent"]["appended"] == 2 * len(tasks) and "restart" not in stats["agent"]
+    for s in samples:
+        calls, _ = rec.trajectory(s)
+        assert len(calls) == s.num_turns == 3 and s.reward == 1.0
+        pos = 0
+        for k, c in enumerate(calls):
+            assert c.prompt_ids == s.prompt_ids + s.response_ids[:pos]          # what the engine was given
+            n = len(c.token_ids)
+            assert s.response_ids[pos:pos + n] == c.token_ids and s.loss_mask[pos:pos + n] == [1] * n
+            assert s.logprobs[pos:pos + n] == c.logprobs
+            pos += n
+            end = len(calls[k + 1].prompt_ids) - len(s.prompt_ids) if k + 1 < len(calls) else pos
+            assert s.loss_mask[pos:end] == [0] * (end - pos) and (end > pos) == (k + 1 < len(calls))
+            assert tok.decode(s.response_ids[pos:end]) == (f" then {k}:" if end > pos else "")
+            pos = end
+        assert pos == len(s.response_ids)
+        check_collate(s, calls)
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.ones_like(ids))[0, len(s.prompt_ids):].tolist()
+        assert max(abs(a - b) for a, b, m in zip(s.logprobs, ref, s.loss_mask) if m == 1) < TOL
+
+
 def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
     """The embedded model warm-started a little further on ext/calc.py's transcripts for half the problems
     (the calc model's recipe from the default model's weights, ~1 minute: this test needs calls to the
