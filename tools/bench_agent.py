@@ -1,14 +1,16 @@
 """bench_agent.py: --agent (ext/agent.py) measured against the in-process env path, side by side in one run.
 
-    .venv/bin/python -m tools.bench_agent calls            # the endpoint's cost per model call (~1 min)
-    .venv/bin/python -m tools.bench_agent train            # examples/calc_agent.py vs --env calc (~15 min)
+    .venv/bin/python -m tools.bench_agent calls            # the endpoint's cost per model call (~35 s)
+    .venv/bin/python -m tools.bench_agent train            # examples/calc_agent.py vs --env calc (~14 min)
     .venv/bin/python -m tools.bench_agent calls --trajectories 400 --concurrency 64
 
 calls: one rollout rank's EnvManager over the fake timed engine (scripted replies, a 1 ms decode step) runs
 the calculator protocol of --env calc (a call, its value, the answer: two model calls per trajectory) two
 ways, alternating, --repeats times each: `env`, an in-process Env (reset/step, the same calculator code as
-the example, no sandbox: the sandbox's process start would hide what is measured) and `agent`,
-examples/calc_agent.py through the real openai client and the rank's HTTP endpoint. Per model call: the
+the example, no sandbox: the sandbox's process start would hide what is measured), `agent`,
+examples/calc_agent.py through the real openai client the endpoint hands it (in-process transport), and
+`agent-http`, the same agent with a client of its own over loopback HTTP to the endpoint's server (one
+httpx pool for the arm). Per model call: the
 rank process's CPU (user + system), the latency the caller sees (env: the proxy's generate; agent: the
 client's create) and, inside it, the engine's generate. Prints one JSON object with the ratios.
 
@@ -37,7 +39,7 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
     from examples import calc_agent
     from ext.agent import load_agent, register
     from proxy import LLMProxy
-    from rollout import ENVS
+    from rollout import ENVS, RANK_STATS
     from task import make_problems
     from tiny_model import build_tokenizer
     from tools.fake_engine import FakeTimedEngine
@@ -71,10 +73,16 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
 
     async def main():
         endpoint = None
-        if kind == "agent":
+        if kind.startswith("agent"):
+            import httpx
+            import openai
             agent = load_agent(str(ROOT / "examples" / "calc_agent.py") + ":agent")
+            pool = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
 
             async def timed(client, model, problem):   # the client's create, timed around each call
+                if kind == "agent-http":      # the same agent over loopback HTTP to the endpoint's server
+                    client = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key,
+                                                http_client=pool, max_retries=0)
                 create = client.chat.completions.create
 
                 async def timed_create(**kw):
@@ -102,7 +110,7 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
         buf = SampleBuffer(LocalQueues(1), "bench", timeout_s=120)
         cfg = RolloutConfig(max_tokens=16, max_model_len=128, max_concurrency=concurrency, max_retries=0)
         mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
-        env = "agent" if kind == "agent" else "bench-calc"
+        env = "agent" if kind.startswith("agent") else "bench-calc"
         run = asyncio.create_task(mgr.run())
         if endpoint is not None:
             await endpoint.base_url()                 # (started before the clock, as in a run)
@@ -114,6 +122,7 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
         stats = await asyncio.wait_for(run, 60)
         if endpoint is not None:
             await endpoint.close_server()
+            RANK_STATS.pop("agent", None)          # (the next arm's manager must not report it)
         return samples, stats, wall, cpu
     samples, stats, wall, cpu = asyncio.run(main())
     failed = [s.meta.get("error") for s in samples if s.failed]
@@ -126,14 +135,16 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
             "wall_s": round(wall, 3), "cpu_ms_per_call": round(1000 * cpu / calls, 3),
             "latency_ms_per_call": round(1000 * statistics.mean(caller), 3),
             "engine_ms_per_call": round(1000 * statistics.mean(engine_s), 3),
+            "endpoint_handler_cpu_ms_per_call": (round(1000 * stats["agent"]["handler_cpu_s"] / calls, 3)
+                                                 if "agent" in stats else None),
             "stitching": {k: v for k, v in stats.get("agent", {}).items()
                           if k in ("appended", "kept", "restart")}}
 
 
 def bench_calls(args) -> dict:
-    arms = {"env": [], "agent": []}
+    arms = {"env": [], "agent": [], "agent-http": []}
     for rep in range(args.repeats):
-        for kind in ("env", "agent") if rep % 2 == 0 else ("agent", "env"):
+        for kind in ("env", "agent", "agent-http") if rep % 2 == 0 else ("agent-http", "agent", "env"):
             r = calls_arm(kind, args.trajectories, args.concurrency)
             print(f"  {kind}: {json.dumps(r)}", flush=True)
             arms[kind].append(r)
@@ -142,7 +153,8 @@ def bench_calls(args) -> dict:
     return {"trajectories": args.trajectories, "concurrency": args.concurrency, "repeats": args.repeats,
             "median": med, "runs": arms,
             "agent_over_env": {m: round(med["agent"][m] / med["env"][m], 2) for m in med["env"]},
-            "agent_minus_env_ms": {m: round(med["agent"][m] - med["env"][m], 3) for m in med["env"]}}
+            "agent_minus_env_ms": {m: round(med["agent"][m] - med["env"][m], 3) for m in med["env"]},
+            "http_over_in_process": {m: round(med["agent-http"][m] / med["agent"][m], 2) for m in med["env"]}}
 
 
 def bench_train(args) -> dict:
@@ -150,6 +162,7 @@ def bench_train(args) -> dict:
     from tools.jobs import run_to_end, torchrun_cmd
     model = ensure_calc_model(log=print)
     out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     flags = ["--steps", str(args.steps), "--batch-groups", str(args.batch_groups), "--group-size",
              str(args.group_size), "--save-every", "0"]
     arms = {"env": ["--env", "calc"],
