@@ -18,11 +18,23 @@ from buffer import Cmd, Command, LocalQueues, RolloutTask, SampleBuffer
 from env_manager import EnvManager, RolloutConfig
 from ext.agent import load_agent, parse_tool_calls, register
 from proxy import LLMProxy
+from rollout import ENVS, RANK_STATS
 from task import Problem
 from tools.fake_engine import FakeTimedEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "policy"
+
+
+@pytest.fixture(autouse=True)
+def registries():
+    """ENVS["agent"] and RANK_STATS["agent"], which register() fills, are as they were after each test
+    (other tests build every env of ENVS)."""
+    saved = dict(ENVS), dict(RANK_STATS)
+    yield
+    for registry, before in zip((ENVS, RANK_STATS), saved):
+        registry.clear()
+        registry.update(before)
 
 
 @pytest.fixture(scope="module")
