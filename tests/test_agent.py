@@ -383,11 +383,12 @@ def test_agent_flag_errors_name_the_flag(tmp_path):
 
 
 @pytest.mark.engine
-def test_train_py_trains_an_openai_client_agent_under_torchrun(tmp_path):
-    """The example agent as a run's env (1 trainer + 1 rollout rank, the embedded model): every step trains
-    a full batch within the async ratio, the engines hold the trainer's weights after every sync, the
-    redundant trajectories (--env-redundancy) are aborted through the endpoint with nothing lost, and the
-    rank's endpoint counted its calls."""
+def test_train_py_trains_an_openai_client_agent_under_torchrun(tmp_path, tiny_model_dir):
+    """The example agent as a run's env (1 trainer + 1 rollout rank, the embedded model, built first by the
+    fixture: on a fresh clone this is the suite's first run, and the build must not eat its timeout):
+    every step trains a full batch within the async ratio, the engines hold the trainer's weights after
+    every sync, the redundant trajectories (--env-redundancy) are aborted through the endpoint with
+    nothing lost, and the rank's endpoint counted its calls."""
     from tools.jobs import run_to_end, torchrun_cmd
     out = tmp_path / "agent"
     cmd = torchrun_cmd("--out-dir", str(out), "--agent", "examples/calc_agent.py:agent", "--steps", "3",
