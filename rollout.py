@@ -369,4 +369,3 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
                   finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
                   meta={**(meta or {}), "eval": task.eval_temperature is not None})
-

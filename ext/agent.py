@@ -164,13 +164,15 @@ class Session:
         last call's text; else None."""
         if self.seen is None or not self.turns.traj.num_turns or not text.startswith(self.seen):
             return None
-        delta = text[len(self.seen):]
+        return self.turns.ids + self.fmt.tok.encode(self.after_eos(text[len(self.seen):]),
+                                                    add_special_tokens=False)
+
+    def after_eos(self, text: str) -> str:
+        """Text that follows the last reply, less the EOS at its start if the model wrote that EOS itself
+        (it is in the ids already), as rollout.PromptFormat.next does."""
         last = self.turns.last_token
-        if last is not None:                    # the model wrote this EOS itself: it is in the ids already
-            eos = self.fmt.tok.decode([last])
-            if delta.startswith(eos):
-                delta = delta[len(eos):]
-        return self.turns.ids + self.fmt.tok.encode(delta, add_special_tokens=False)
+        eos = self.fmt.tok.decode([last]) if last is not None else None
+        return text[len(eos):] if eos and text.startswith(eos) else text
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         kw = {"tools": tools} if tools else {}
@@ -194,10 +196,7 @@ class Session:
                 and messages[:len(prev)] == prev and messages[len(prev)].get("role") == "assistant"):
             base = self.render(messages[:len(prev) + 1], tools, False)
             if full.startswith(base):
-                close = self.fmt.close_turn             # what the template puts after a reply
-                last = self.turns.last_token
-                if last is not None and close.startswith(self.fmt.tok.decode([last])):
-                    close = close[len(self.fmt.tok.decode([last])):]     # (the model wrote that EOS)
+                close = self.after_eos(self.fmt.close_turn)    # what the template puts after a reply
                 new = self.fmt.tok.encode(close + full[len(base):], add_special_tokens=False)
                 return self.turns.ids + new, full, "kept"
         return self.fmt.tok.encode(full, add_special_tokens=False), full, "new"
@@ -523,30 +522,25 @@ async def drive(proxy, fmt, cfg, task, traj, tag, meta, deadline, play) -> Sampl
     call), the engine's error if one came under a call; else the trajectory's Sample."""
     where = f"rollout rank {proxy.rank}: env {task.env!r}"
     limit_s = deadline.current_s["step"]
+    error = None
+    timeout = asyncio.timeout_at(now() + limit_s)
+    turns = Turns(proxy, cfg, fmt, task, traj, tag, timeout, limit_s)
     try:
-        async with asyncio.timeout_at(now() + limit_s) as timeout:
-            turns = Turns(proxy, cfg, fmt, task, traj, tag, timeout, limit_s)
-            try:
-                reward = await play(turns)
-            finally:
-                turns.ended = True
-    except TimeoutError:
-        if turns.failure is not None:
-            raise turns.failure from None
-        if turns.aborted:
-            raise Aborted(f"{where}: task {task.task_id} aborted") from None
-        raise EnvFailure(f"{where} run (task {task.task_id}) spent longer than {round(limit_s, 3):g}s "
-                         f"between model calls", timeout=True) from None
-    except Exception as e:    # CancelledError is not an Exception: aborts pass through
-        if turns.failure is not None:           # the engine's (EngineError: ext/recovery.py's to handle)
-            raise turns.failure from None
-        if turns.aborted:
-            raise Aborted(f"{where}: task {task.task_id} aborted") from None
-        raise EnvFailure(f"{where} run (task {task.task_id}) raised {e!r}") from e
-    if turns.failure is not None:
-        raise turns.failure
+        async with timeout:
+            reward = await play(turns)
+    except Exception as e:    # (the deadline's TimeoutError too; CancelledError is not one: aborts pass)
+        error = e
+    finally:
+        turns.ended = True
+    if turns.failure is not None:               # the engine's (EngineError: ext/recovery.py's to handle)
+        raise turns.failure from None
     if turns.aborted:
         raise Aborted(f"{where}: task {task.task_id} aborted")
+    if timeout.expired():
+        raise EnvFailure(f"{where} run (task {task.task_id}) spent longer than {round(limit_s, 3):g}s "
+                         f"between model calls", timeout=True) from None
+    if error is not None:
+        raise EnvFailure(f"{where} run (task {task.task_id}) raised {error!r}") from error
     if not traj.num_turns:
         raise EnvFailure(f"{where} run (task {task.task_id}) returned without calling the model")
     return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs,

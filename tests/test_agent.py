@@ -335,16 +335,10 @@ def test_bad_requests_and_bad_agents_get_clear_errors_or_failed_samples_and_the_
     assert not endpoint.sessions                                         # every trajectory closed
 
 
-def test_an_aborted_trajectory_sends_nothing_and_its_agent_gets_an_error(tiny_tok):
+def test_an_aborted_trajectory_sends_nothing_and_leaves_no_session(tiny_tok):
     """The controller aborts a group while its agent waits for a reply: no sample, the session is gone."""
-    seen = {}
-
     async def agent(client, model, problem):
-        try:
-            await client.completions.create(model=model, prompt="1+1=", max_tokens=30)
-        except openai.APIStatusError as e:
-            seen["error"] = (e.status_code, e.message)
-            raise
+        await client.completions.create(model=model, prompt="1+1=", max_tokens=30)
         return 1.0
 
     async def main():
@@ -355,11 +349,12 @@ def test_an_aborted_trajectory_sends_nothing_and_its_agent_gets_an_error(tiny_to
         mgr = EnvManager(proxy, buf, tiny_tok, rank=0, cfg=RolloutConfig(max_tokens=32, max_model_len=100))
         await buf.put_tasks([RolloutTask("t0", "g0", Problem("1+1=", "2"), env="agent")])
         run = asyncio.create_task(mgr.run())
-        while not engine.running:
-            await asyncio.sleep(0.01)
-        await buf.send_command(0, Command(Cmd.ABORT_GROUPS, group_ids=["g0"]))
-        while endpoint.sessions:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):          # (the request reaches the engine, then the abort ends it)
+            while not engine.running:
+                await asyncio.sleep(0.01)
+            await buf.send_command(0, Command(Cmd.ABORT_GROUPS, group_ids=["g0"]))
+            while endpoint.sessions:
+                await asyncio.sleep(0.01)
         await buf.send_command(0, Command(Cmd.STOP))
         stats = await asyncio.wait_for(run, 60)
         left = buf.t.get_many_nowait("samples", 100)
