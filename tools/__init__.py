@@ -17,4 +17,5 @@ Run from the repository root as modules, e.g. `.venv/bin/python -m tools.sim que
     study.py            the off-policy losses at async ratio 0 / 2 / 8 with real engines (Takeaway 4)
     plot.py             pictures of a run: metrics.png, timeline.png
     jobs.py             a train.py job seen from outside (the tools and the tests)
+    core_lines.py       the core's size in code lines, and how much of it a run executes (coverage)
 """
