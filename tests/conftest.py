@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model dir (built once, cached in .cache/) and a real vLLM proxy that
-lives on its own event loop thread for a whole test module (engine start costs ~25 s)."""
+lives on its own event loop thread, shared by the test modules that use it (engine start costs ~25 s)."""
 
 import asyncio
 import os
@@ -62,15 +62,41 @@ class LoopThread:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
+# the engine of vllm_proxy: one for the session, shut down right after the last test that uses it
+SHARED_ENGINE: dict = {}         # "last": that test (set at collection); "engine": (LoopThread, LLMProxy)
+
+
+def close_shared_engine():
+    if "engine" in SHARED_ENGINE:
+        lt, proxy = SHARED_ENGINE.pop("engine")
+        proxy.shutdown()
+        lt.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    users = [i for i in items if "vllm_proxy" in getattr(i, "fixturenames", ())]
+    SHARED_ENGINE["last"] = users[-1] if users else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if item is SHARED_ENGINE.get("last"):
+        close_shared_engine()
+
+
+@pytest.fixture(scope="session")
 def vllm_proxy(tiny_model_dir):
-    """(LoopThread, LLMProxy) over a real vLLM CPU engine with the tiny model."""
+    """(LoopThread, LLMProxy) over a real vLLM CPU engine with the tiny model, one for the session (engine
+    start costs ~20 s): test_engine.py's and test_envs_engine.py's tests share it, so each test leaves its
+    weights as it found them (test_engine.py's updates end by restoring them; the versions count on), and
+    it is shut down right after the last test that uses it (an idle engine's worker still spins a little)."""
     from proxy import LLMProxy
-    lt = LoopThread()
-    proxy = lt.run(LLMProxy.start_vllm(str(tiny_model_dir), rank=0, timeout_s=120))
-    yield lt, proxy
-    proxy.shutdown()
-    lt.close()
+    if "engine" not in SHARED_ENGINE:
+        lt = LoopThread()
+        SHARED_ENGINE["engine"] = lt, lt.run(LLMProxy.start_vllm(str(tiny_model_dir), rank=0, timeout_s=120))
+    yield SHARED_ENGINE["engine"]
+    close_shared_engine()
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

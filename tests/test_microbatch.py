@@ -99,12 +99,17 @@ def test_a_chunked_backward_needs_8x_less_memory_than_full_logits_at_qwens_vocab
     """One log-prob forward+backward of a one-layer model with Qwen's vocabulary (151,936): today's
     [B, T, V] logits at B 8 x T 1024 would take ~20 GB (not on this machine), so it is measured at B 1,
     where its extra memory is an eighth of B 8's (the logits are B x T x V); the chunked one at B 8 itself.
-    Each in a fresh process, peak RSS over the pass (tools/bench_trainer.py logprobs prints the table)."""
+    Each in a fresh process, peak RSS over the pass (tools/bench_trainer.py logprobs prints the table); the
+    two processes run at once, one thread each (each measures its own RSS)."""
+    import concurrent.futures
+
     from tools.bench_trainer import run_case
     # (hidden 64: a quarter of the bench's matmuls; T 1024, half its: the ratio was 10.2 here, 2 min -> 40 s)
     kw = dict(seq=1024, vocab=151_936, hidden=64)
-    today_b1 = run_case("logprobs", batch=1, mode="full", **kw)["extra_mib"]
-    chunked_b8 = run_case("logprobs", batch=8, mode="chunked", **kw)["extra_mib"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        full = pool.submit(run_case, "logprobs", batch=1, mode="full", **kw)
+        chunked = pool.submit(run_case, "logprobs", batch=8, mode="chunked", **kw)
+    today_b1, chunked_b8 = full.result()["extra_mib"], chunked.result()["extra_mib"]
     assert (8 * today_b1) / chunked_b8 >= 8, (today_b1, chunked_b8)      # today's at B 8 / chunked at B 8
 
 

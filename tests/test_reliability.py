@@ -40,7 +40,7 @@ def train_py(*args, env=None) -> subprocess.CompletedProcess:
 # flags
 
 
-@pytest.mark.parametrize("args, names", [
+BAD_FLAGS = [
     (["--timeout-s", "0"], "--timeout-s"),
     (["--redundant", "-100"], "--redundant"),
     (["--env", "nope"], "--env"),
@@ -54,11 +54,14 @@ def train_py(*args, env=None) -> subprocess.CompletedProcess:
     (["--gspo-clip-low", "2"], "--gspo-clip-low"),
     (["--loss-agg", "sum"], "--loss-agg"),
     (["--sample-order", "newest"], "--sample-order"),
-])
-def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, names):
-    r = train_py("--out-dir", str(tmp_path / "out"), *args)
+]
+
+
+@pytest.mark.parametrize("args, names", BAD_FLAGS)
+def test_bad_flags_are_refused_naming_the_flag(refused, args, names):
+    r, out = refused["flags", BAD_FLAGS.index((args, names))]
     assert r.returncode != 0 and names in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "out").exists()             # refused before anything was written
+    assert not out.exists()                            # refused before anything was written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,26 +78,25 @@ def fake_run_dir(tmp_path, step=10, rows=12, train_gpus=1, model="") -> Path:
     return out
 
 
-@pytest.mark.parametrize("args, message", [
+RUN_DIRS = [
     ([], "--resume to continue it, or --overwrite"),
     (["--resume", "--train-gpus", "2", "--rollout-gpus", "1"], "trainer ranks"),
     (["--resume", "--model", "/some/other/model"], "not the model this run started from"),
     (["--resume", "--steps", "10"], "nothing to do"),
-])
-def test_run_dir_with_a_checkpoint_is_never_overwritten_by_accident(tmp_path, args, message):
-    out = fake_run_dir(tmp_path)
-    before = (out / "metrics.jsonl").read_text()
-    r = train_py("--out-dir", str(out), *args)
+]
+
+
+@pytest.mark.parametrize("args, message", RUN_DIRS)
+def test_run_dir_with_a_checkpoint_is_never_overwritten_by_accident(refused, args, message):
+    r, (out, before) = refused["run dir", RUN_DIRS.index((args, message))]
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
     assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint" / "state.json").exists()
 
 
-def test_resume_with_no_checkpoint_and_unwritable_out_dir(tmp_path):
-    r = train_py("--out-dir", str(tmp_path / "empty"), "--resume")
+def test_resume_with_no_checkpoint_and_unwritable_out_dir(refused):
+    r, _ = refused["resume", "no checkpoint"]
     assert r.returncode != 0 and "no checkpoint" in r.stderr
-    blocker = tmp_path / "file"
-    blocker.write_text("not a dir")
-    r = train_py("--out-dir", str(blocker / "sub"))
+    r, _ = refused["resume", "unwritable"]
     assert r.returncode != 0 and "--out-dir" in r.stderr and "cannot be written" in r.stderr
 
 
@@ -314,26 +316,71 @@ def model_dir_variant(tmp_path, tiny_model_dir, what: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize("what, message", [
+BAD_MODELS = [
     ("missing", "no such directory"), ("no-config", "no config.json"), ("corrupt-config", "not valid JSON"),
     ("no-weights", "no weights"), ("corrupt-tokenizer", "tokenizer does not load"),
-])
-def test_bad_model_dir_is_named_before_anything_starts(tmp_path, tiny_model_dir, what, message):
-    model = model_dir_variant(tmp_path, tiny_model_dir, what)
-    r = train_py("--out-dir", str(tmp_path / "out"), "--model", str(model))
+]
+
+
+@pytest.mark.parametrize("what, message", BAD_MODELS)
+def test_bad_model_dir_is_named_before_anything_starts(refused, what, message):
+    r, model = refused["model", BAD_MODELS.index((what, message))]
     assert r.returncode != 0 and f"--model {model}" in r.stderr and message in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("content, message", [
+BAD_DATA = [
     (None, "no such file"), ("DIR", "directory"), ("", "no rows"),
     ('{"prompt": "1+1", "answer": "2"}\n{"prompt": oops}\n', "line 2"),
     ('{"question": "1+1"}\n', "line 1"),
-])
-def test_bad_data_is_named_before_anything_starts(tmp_path, content, message):
-    data = tmp_path / "data.jsonl"
-    if content == "DIR":
-        data.mkdir()
-    elif content is not None:
-        data.write_text(content)
-    r = train_py("--out-dir", str(tmp_path / "out"), "--data", str(data))
+]
+
+
+@pytest.mark.parametrize("content, message", BAD_DATA)
+def test_bad_data_is_named_before_anything_starts(refused, content, message):
+    r, _ = refused["data", BAD_DATA.index((content, message))]
     assert r.returncode != 0 and "--data" in r.stderr and message in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# the refusals above, run at once
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, tiny_model_dir) -> dict:
+    """Every train.py run of the refusal tests above (bad flags, a run dir with a checkpoint, resume without
+    one, an unwritable --out-dir, bad model dirs, bad data), each set up in a dir of its own and run here,
+    two at a time (each is one process that imports torch and stops at its check: ~2 s of one core).
+    (kind, case) -> (CompletedProcess, what the test checks besides: the out dir, the run dir and its
+    metrics.jsonl before, the model dir)."""
+    import concurrent.futures
+    base = tmp_path_factory.mktemp("refused")
+    cases = {}                                   # (kind, case) -> (train.py's args, the context)
+
+    def new(name: str) -> Path:
+        (base / name).mkdir()
+        return base / name
+    for i, (args, _) in enumerate(BAD_FLAGS):
+        out = new(f"flags{i}") / "out"
+        cases["flags", i] = ["--out-dir", str(out), *args], out
+    for i, (args, _) in enumerate(RUN_DIRS):
+        out = fake_run_dir(new(f"run-dir{i}"))
+        cases["run dir", i] = ["--out-dir", str(out), *args], (out, (out / "metrics.jsonl").read_text())
+    cases["resume", "no checkpoint"] = ["--out-dir", str(new("resume") / "empty"), "--resume"], None
+    blocker = new("unwritable") / "file"
+    blocker.write_text("not a dir")
+    cases["resume", "unwritable"] = ["--out-dir", str(blocker / "sub")], None
+    for i, (what, _) in enumerate(BAD_MODELS):
+        d = new(f"model{i}")
+        model = model_dir_variant(d, tiny_model_dir, what)
+        cases["model", i] = ["--out-dir", str(d / "out"), "--model", str(model)], model
+    for i, (content, _) in enumerate(BAD_DATA):
+        d = new(f"data{i}")
+        data = d / "data.jsonl"
+        if content == "DIR":
+            data.mkdir()
+        elif content is not None:
+            data.write_text(content)
+        cases["data", i] = ["--out-dir", str(d / "out"), "--data", str(data)], None
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {key: pool.submit(train_py, *args) for key, (args, _) in cases.items()}
+    return {key: (runs[key].result(), context) for key, (_, context) in cases.items()}

@@ -235,25 +235,38 @@ def test_a_killed_rank_restarts_and_the_run_resumes_from_its_last_checkpoint(tmp
     assert final["step"] == 30 and final["data_position"] > state["data_position"]
 
 
-def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
-    """--lora-rank: every sync's probe finds the engine equal to the trainer's base + adapter, by either
-    weight transport (the first run hands it over by ipc, the resumed one broadcasts it over the group), the
-    checkpoint is a PEFT adapter, and --resume starts the engine on that adapter (the start-up probe)."""
-    out = tmp_path / "lora"
-    # (a large step: the adapter must move the probe's logprobs well past 1e-4 for the checks to mean much)
-    lora = ["--lora-rank", "8", "--lr", "2e-2", "--warmup-steps", "0", "--save-every", "2",
-            "--async-ratio", "1"]
-    r = finish(torchrun(out, "--steps", "2", *lora, "--weight-transport", "ipc", rollout_gpus=1), out)
+def test_lora_with_tail_batching_and_the_streaming_trainer_syncs_only_the_adapter_and_resumes(tmp_path):
+    """One LoRA run (1 trainer + 1 engine) with --tail-batching --stream-trainer at ratio 0, 3 steps, then
+    --resume to 5. LoRA (--lora-rank): every sync's probe finds the engine equal to the trainer's base +
+    adapter, by either weight transport (the first run hands it over by ipc, the resumed one broadcasts it
+    over the group), the checkpoint is a PEFT adapter, and --resume starts the engine on that adapter (the
+    start-up probe). Tail batching and the streaming trainer on a real engine: every step on-policy
+    (staleness 0, ratio 1), short and long rounds, the long-prompt queue in the checkpoint, and the resumed
+    run starts from it (a long round first when it holds a batch)."""
+    out = tmp_path / "lora-tail"
+    # (a large step: the adapter must move the probe's logprobs well past 1e-4 for the checks to mean much;
+    # 0.24 here after 5 steps. Not larger: at 2e-2 the reward collapsed to ~0.01 and dynamic filtering then
+    # resamples each ratio-0 step for seconds)
+    flags = ["--lora-rank", "8", "--lr", "2e-3", "--warmup-steps", "0", "--save-every", "3",
+             "--async-ratio", "0", "--tail-batching", "--stream-trainer", "--micro-batch", "4"]
+    r = finish(torchrun(out, "--steps", "3", *flags, "--weight-transport", "ipc", rollout_gpus=1), out)
     assert "weights: ipc" in Path(out).with_suffix(".log").read_text()
     assert all(x["sync_probe_max_diff"] is not None and x["sync_probe_max_diff"] < 1e-4 for x in r)
     ck = out / "checkpoint"
     assert (ck / "adapter_model.safetensors").exists() and not (ck / "model.safetensors").exists()
     assert json.loads((ck / "adapter_config.json").read_text())["r"] == 8
-    r = finish(torchrun(out, "--steps", "4", *lora, "--resume", rollout_gpus=1), out)
+    state = json.loads((ck / "state.json").read_text())
+    assert state["step"] == 3 and "long_queue" in state
+    r = finish(torchrun(out, "--steps", "5", *flags, "--resume", rollout_gpus=1), out)
     assert "weights: group" in Path(out).with_suffix(".log").read_text()
-    assert [x["step"] for x in r] == [1, 2, 3, 4] and all(x["sync_probe_max_diff"] < 1e-4 for x in r[2:])
+    assert [x["step"] for x in r] == [1, 2, 3, 4, 5] and all(x["sync_probe_max_diff"] < 1e-4 for x in r[3:])
     start = re.search(r"rollout ready: .* probe diff ([0-9.e+-]+)", Path(out).with_suffix(".log").read_text())
     assert start and float(start.group(1)) < 1e-4          # the engine serves the checkpoint's adapter
+    for x in r:
+        assert x["staleness_max"] == 0 and abs(x["ratio_mean"] - 1) < 1e-4 and x["num_samples"] == 16
+        assert x["round"] in ("short", "long") and x["time_trainer_busy"] > 0
+    assert r[3]["round"] == ("long" if len(state["long_queue"]) >= 4 else "short")
+    assert sum(x["prompts_deferred"] for x in r) > 0 and "long" in [x["round"] for x in r]
     # the adapter moves the probe far past 1e-4: an engine that ignored it would fail the checks above
     import torch
     from peft import PeftModel
@@ -267,25 +280,6 @@ def test_lora_run_syncs_only_the_adapter_and_resumes(tmp_path):
         tuned = token_logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), ck),
                                ids, torch.ones_like(ids))
     assert (tuned - base).abs().max().item() > 1e-3
-
-
-def test_tail_batching_and_the_streaming_trainer_under_torchrun_with_resume(tmp_path):
-    """--tail-batching --stream-trainer at ratio 0 on real engines: every step on-policy (staleness 0, ratio
-    1), short and long rounds, the long-prompt queue in the checkpoint, and a resumed run that starts from
-    it (a long round first when it holds a batch)."""
-    out = tmp_path / "tail"
-    flags = ["--async-ratio", "0", "--tail-batching", "--stream-trainer", "--micro-batch", "4",
-             "--save-every", "3", "--check-sync-every", "0"]
-    r = finish(torchrun(out, "--steps", "3", *flags), out)
-    state = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert state["step"] == 3 and "long_queue" in state
-    r = finish(torchrun(out, "--steps", "5", *flags, "--resume"), out)
-    assert [x["step"] for x in r] == [1, 2, 3, 4, 5]
-    for x in r:
-        assert x["staleness_max"] == 0 and abs(x["ratio_mean"] - 1) < 1e-4 and x["num_samples"] == 16
-        assert x["round"] in ("short", "long") and x["time_trainer_busy"] > 0
-    assert r[3]["round"] == ("long" if len(state["long_queue"]) >= 4 else "short")
-    assert sum(x["prompts_deferred"] for x in r) > 0 and "long" in [x["round"] for x in r]
 
 
 def test_run_to_end_fails_naming_the_command_and_its_log(tmp_path):
