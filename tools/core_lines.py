@@ -1,6 +1,7 @@
 """tools/core_lines.py: how big the core is, in code lines, and how much of it a run executes.
 
     python -m tools.core_lines                       # code lines per root module (the core), and the total
+    python -m tools.core_lines --under ext           # the same for another folder's modules
     python -m tools.core_lines --coverage FILE       # and per module: lines a run executed, the rest split
                                                      # into error paths and other branches
 
@@ -75,6 +76,7 @@ def error_lines(tree: ast.Module) -> set[int]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--coverage", default="", help="a combined coverage.py data file of a run")
+    ap.add_argument("--under", default="", help="count this folder's modules (relative to the root) instead")
     args = ap.parse_args()
     data = None
     if args.coverage:
@@ -82,7 +84,7 @@ def main():
         cov = coverage.Coverage(data_file=args.coverage)
         cov.load()
         data = cov.get_data()
-    files = sorted(ROOT.glob("*.py"))
+    files = sorted((ROOT / args.under).glob("*.py"))
     totals = [0, 0, 0, 0]                          # code, executed, error paths not run, other not run
     head = "" if data is None else f" {'run':>6s} {'error':>6s} {'other':>6s}"   # (the last two: not run)
     print(f"{'module':18s} {'code':>6s}" + head)
