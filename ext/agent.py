@@ -322,9 +322,12 @@ class Endpoint:
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
 
     async def close_server(self):
-        """Stop serving (tests; a rank's server ends with its process)."""
+        """Stop serving, and its counters leave the rank's stats (tests; a rank's server ends with its
+        process)."""
         if self.runner is not None:
             await self.runner.cleanup()
+        if RANK_STATS.get("agent") == self.stats:
+            del RANK_STATS["agent"]
 
     def open(self, turns) -> str:
         key = f"traj-{secrets.token_hex(12)}"

@@ -362,6 +362,7 @@ def test_an_aborted_trajectory_sends_nothing_and_leaves_no_session(tiny_tok):
         return stats, left
     stats, left = asyncio.run(main())
     assert left == [] and stats["in_flight"] == 0 and stats["samples_sent"] == 0
+    assert "agent" in stats and "agent" not in RANK_STATS      # the closed endpoint's counters left with it
 
 
 def test_agent_flag_errors_name_the_flag(tmp_path):

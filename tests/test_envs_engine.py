@@ -265,7 +265,6 @@ def test_an_openai_client_agent_on_the_real_engine_is_token_in_token_out(vllm_pr
                          {"role": "user", "content": f" then {turn}:"}]
         return float(r.choices[0].finish_reason in ("stop", "length"))
 
-    from rollout import RANK_STATS
     endpoint = register(agent, "engine test agent", "policy")
     rec = Recorder()
     tasks = [RolloutTask(f"agent{i}", f"agent-group{i}", p, env="agent")
@@ -273,9 +272,8 @@ def test_an_openai_client_agent_on_the_real_engine_is_token_in_token_out(vllm_pr
     try:
         samples, stats = run_tasks(lt, proxy, tok, cfg, tasks, rec)
     finally:                              # (other tests build every env of ENVS)
-        lt.run(endpoint.close_server())
+        lt.run(endpoint.close_server())     # (and its counters leave RANK_STATS)
         ENVS.pop("agent", None)
-        RANK_STATS.pop("agent", None)
     assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0, failures(samples)
     assert stats["agent"]["appended"] == 2 * len(tasks) and "restart" not in stats["agent"]
     for s in samples:

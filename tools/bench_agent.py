@@ -39,7 +39,7 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
     from examples import calc_agent
     from ext.agent import load_agent, register
     from proxy import LLMProxy
-    from rollout import ENVS, RANK_STATS
+    from rollout import ENVS
     from task import make_problems
     from tiny_model import build_tokenizer
     from tools.fake_engine import FakeTimedEngine
@@ -121,8 +121,7 @@ def calls_arm(kind: str, n: int, concurrency: int) -> dict:
         await buf.send_command(0, Command(Cmd.STOP))
         stats = await asyncio.wait_for(run, 60)
         if endpoint is not None:
-            await endpoint.close_server()
-            RANK_STATS.pop("agent", None)          # (the next arm's manager must not report it)
+            await endpoint.close_server()             # (its counters leave RANK_STATS: the next arm's)
         return samples, stats, wall, cpu
     samples, stats, wall, cpu = asyncio.run(main())
     failed = [s.meta.get("error") for s in samples if s.failed]

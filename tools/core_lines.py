@@ -85,6 +85,8 @@ def main():
         cov.load()
         data = cov.get_data()
     files = sorted((ROOT / args.under).glob("*.py"))
+    if not files:
+        ap.error(f"--under {args.under}: no .py files in {ROOT / args.under}")
     totals = [0, 0, 0, 0]                          # code, executed, error paths not run, other not run
     head = "" if data is None else f" {'run':>6s} {'error':>6s} {'other':>6s}"   # (the last two: not run)
     print(f"{'module':18s} {'code':>6s}" + head)
@@ -101,7 +103,8 @@ def main():
             row += [len(run), len((code - run) & err), len((code - run) - err)]
         totals = [t + r for t, r in zip(totals, row)]
         print(f"{path.name:18s}" + "".join(f" {n:6d}" for n in row))
-    print(f"{'total':18s}" + "".join(f" {n:6d}" for n in totals[:len(row)]) + f"   ({len(files)} files)")
+    print(f"{'total':18s}" + "".join(f" {n:6d}" for n in totals[:1 if data is None else 4])
+          + f"   ({len(files)} files)")
 
 
 if __name__ == "__main__":
