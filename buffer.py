@@ -519,6 +519,7 @@ class GroupAssembler:
         self.resolved_at: dict[str, int] = {}
         self.samples_filtered = 0
         self.samples_surplus = 0
+        self.groups_completed = 0         # groups that reached group_size samples (kept or filtered)
         self.groups_filtered = 0
         for why in Lost:
             setattr(self, f"samples_{why}", 0)
@@ -583,6 +584,7 @@ class GroupAssembler:
         if len(group) == self.group_size:
             del self.pending[gid]
             self.closed.add(gid)
+            self.groups_completed += 1
             self._resolve(gid, version)
             if self.filter_groups and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1

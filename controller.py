@@ -18,6 +18,7 @@ The command/ack protocol, its table and its timeouts: DESIGN.md#the-control-prot
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -88,9 +89,10 @@ class Admission:
         return 0
 
     def capacity(self, ctrl) -> int:
-        """How many more groups may be admitted now: the batches this controller may have out."""
-        steps = ctrl.version - ctrl.version0 + self.cfg.async_ratio + 1
-        return steps * self.cfg.batch_groups + self.cfg.redundant - ctrl.alive()
+        """How many more groups may be admitted now: alpha + 1 batches and the redundant groups, less the
+        places held (ctrl.groups_holding_places)."""
+        limit = (self.cfg.async_ratio + 1) * self.cfg.batch_groups + self.cfg.redundant
+        return limit - ctrl.groups_holding_places()
 
     def next_problem(self) -> Problem | None:
         """A prompt of the policy's own to admit next (None: the stream's next)."""
@@ -138,7 +140,10 @@ class AsyncController:
         self.extra: set[str] = set()           # unresolved groups running more samples than group_size
         self.groups_admitted = 0
         self.groups_taken = 0
-        self.groups_drawn = 0                  # problems taken from the stream (the data position)
+        self.groups_drawn = 0                  # problems taken from the stream since data_position0
+        self.data_position0 = 0                # the stream's position at the start (a resume's: restore())
+        self.next_group = 0                    # the next group id's number: g0, g1, ... (continued on resume:
+                                               # a group's env seed is its id's hash, so no game is replayed)
         self.problem_of: dict[str, Problem] = {}   # unresolved groups' problems (a lost one is re-admitted)
         self.readmit: collections.deque[Problem] = collections.deque()   # problems to admit again first
         self.prompt_len = prompt_len           # (Problem) -> its prompt's tokens as the engine will see them
@@ -147,7 +152,6 @@ class AsyncController:
         self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
         self.prompts_rejected = 0
         self.taps: list = []                   # async (sample) -> True if it took the sample (ext/eval.py)
-        self._gid = itertools.count()
         self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
         self.samples_unconsumed = 0            # samples still queued at stop (counted, never trained)
@@ -178,9 +182,11 @@ class AsyncController:
         """Admitted groups that ended without being trained: filtered, or lost for a reason of Lost."""
         return self.asm.groups_filtered + sum(getattr(self.asm, f"groups_{why}") for why in Lost)
 
-    def alive(self) -> int:
-        """Admitted groups not lost or filtered (trained ones count: their batches' places)."""
-        return self.groups_admitted - self._groups_lost()
+    def groups_holding_places(self) -> int:
+        """Admitted groups that hold a place under the async ratio: not lost or filtered, and not trained by
+        an earlier step (this step's batch holds its places until it trains). Counting what was really
+        trained, not B a step, keeps the bound when a step trains fewer groups (--on-max-gen-batches)."""
+        return self.groups_admitted - self._groups_lost() - self.taken_before_step
 
     def _next_problem(self) -> Problem:
         """The next prompt to admit: one to run again first, else the stream's next that fits the
@@ -212,7 +218,7 @@ class AsyncController:
         tasks = []
         for _ in range(n):
             problem = self._next_problem()
-            gid = f"g{next(self._gid)}"
+            gid, self.next_group = f"g{self.next_group}", self.next_group + 1
             tasks_per_group = self.admission.admitted(gid, self.version)
             if tasks_per_group > self.cfg.group_size:
                 self.extra.add(gid)
@@ -237,7 +243,7 @@ class AsyncController:
         cfg, asm = self.cfg, self.asm
         t0, wall0 = now(), time.time()
         before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
-                      failed=asm.samples_failed, surplus=asm.samples_surplus)
+                      failed=asm.samples_failed, surplus=asm.samples_surplus, completed=asm.groups_completed)
         self.step_rewards = []
         committed: list[list] = []                     # groups already handed to on_group
         self.taken_before_step = self.groups_taken
@@ -312,6 +318,7 @@ class AsyncController:
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
             "samples_dropped_stale": asm.samples_dropped_stale - before["stale"],
             "groups_filtered": asm.groups_filtered - before["filtered"],
+            "groups_completed": asm.groups_completed - before["completed"],   # in this step, kept or filtered
             "samples_failed": asm.samples_failed - before["failed"],
             "samples_surplus": asm.samples_surplus - before["surplus"],
             "samples_duplicate": duplicate, "prompts_rejected": self.prompts_rejected,
@@ -325,15 +332,17 @@ class AsyncController:
 
     def _filtering_spins(self, before: dict, n_ready: int) -> bool:
         """Dynamic filtering that keeps resampling: warn once a run when most of a step's complete groups
-        were filtered; past --max-gen-batches batches of complete groups in one step, fail with a clear
+        were filtered; once the groups completed in this step (filtered or kept; ready groups carried over
+        from earlier steps are not this step's work) reach --max-gen-batches batches, fail with a clear
         error (--on-max-gen-batches error) or end the step with what is ready (train: True)."""
         cfg, filtered = self.cfg, self.asm.groups_filtered - before["filtered"]
+        completed = self.asm.groups_completed - before["completed"]
         if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
                 and filtered >= 4 * n_ready):
             self._warned_filtering = True
             self.log(f"dynamic filtering: {runlog.spin_report(self, before)}. --max-gen-batches N bounds the "
                      f"resampling per step; --filter-groups false trains on such groups")
-        if not cfg.max_gen_batches or filtered + n_ready < cfg.max_gen_batches * cfg.batch_groups:
+        if not cfg.max_gen_batches or completed < cfg.max_gen_batches * cfg.batch_groups:
             return False
         if cfg.on_max_gen_batches == "error" or n_ready == 0:
             raise RuntimeError(f"{self.buffer.who}: --max-gen-batches {cfg.max_gen_batches} reached: "
@@ -497,6 +506,21 @@ class AsyncController:
         self.unreported = {"synced_version": self.version, "rollout_utilisation": util,
                            "sync_probe_max_diff": runlog.probe_diff(acks, probe_ref)}
         return self.unreported
+
+    def state(self) -> dict:
+        """What a checkpoint keeps for a resume to continue this run (JSON-able): the data stream's
+        position, the next group id, and the admission policy's prompts in flight (admitted, not yet trained
+        or lost)."""
+        return {"data_position": self.data_position0 + self.groups_drawn, "next_group": self.next_group,
+                "admission": {k: [dataclasses.asdict(p) for p in v]
+                              for k, v in self.admission.state(self).items()}}
+
+    def restore(self, state: dict):
+        """Continue the run a checkpoint's state() describes: the stream (built from its data_position by the
+        caller) goes on from there, group ids go on, and the prompts that were in flight run first."""
+        self.data_position0, self.next_group = state["data_position"], state.get("next_group", 0)
+        kept = state.get("admission", {})
+        self.admission.restore(self, {k: [Problem(**p) for p in v] for k, v in kept.items()})
 
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""

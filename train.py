@@ -36,7 +36,7 @@ from proxy import LLMProxy, Sampling
 from ranks import PROBE_TEXT, TrainerRanks, collective, init_distributed, pin_engine_gpu
 from rollout import PromptFormat
 from runlog import RunLog, print0, probe_verdict, start_line, start_metrics
-from task import DataConfig, Problem, problem_stream
+from task import DataConfig, problem_stream
 from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
 from weight_sync import TRANSPORTS, weight_meta
@@ -99,7 +99,6 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
     """collect -> train -> sync weights -> extensions -> log -> save, until --steps or the time limit."""
     await log.starting(ctrl.wait_ready(ranks.probe() if ranks.probe_due(0) else None))   # engines up, warm
     t_train = time.monotonic()
-    data_pos = state["data_position"] if state else 0
     for step in range(state["step"] if state else 0, cfg.steps):
         t0 = time.monotonic()
         s = await rl_step(ctrl, backend, send, meta, group)                     # collect, train, sync
@@ -108,10 +107,9 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
         log.step(step + 1, ctrl.version, {**s.info, **extra}, s.metrics, s.sync, s.train_s,
                  time.monotonic() - t0)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or final:
-            # data position: problems drawn so far; those admitted but not yet trained are kept apart
-            kept = {k: [dataclasses.asdict(p) for p in v] for k, v in ctrl.admission.state(ctrl).items()}
+            # (the data position, the next group id, the prompts in flight: ctrl.state())
             ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
-                        "data_position": data_pos + ctrl.groups_drawn, **kept})
+                        **ctrl.state()})
         if final:
             break                                                         # (--time-limit-min: early)
     last = await ctrl.finish_sync()                                        # the last sync's acks
@@ -165,9 +163,8 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus, state["version"] if state else 0,
                            lambda p: len(fmt.first(p.prompt)), cfg.rollout.max_model_len, print0,
                            exts.first("admission", cfg.controller), exts.first("sync_recovery"))
-    if state:      # prompts admitted but not trained when the checkpoint was written: first in line again
-        ctrl.admission.restore(ctrl, {k: [Problem(**p) for p in v] for k, v in state.items()
-                                      if k in ("in_flight", "long_queue")})
+    if state:      # the run goes on: its stream position, group ids, and prompts in flight run first
+        ctrl.restore(state)
     exts.call("on_controller", ctrl, state)            # (the timeline's events, a tracker, evaluation)
     log = RunLog(cfg, state["step"] if state else 0, exts)
     async def train(batch, advantages, version):      # every trainer rank, in lockstep

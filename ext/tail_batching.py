@@ -60,7 +60,7 @@ class TailBatching(Admission):
         return (self.alpha + 1) * self.B + math.ceil((self.oversample - 1) * self.B) + self.cfg.redundant
 
     def capacity(self, ctrl) -> int:
-        return self.target() - (ctrl.alive() - ctrl.taken_before_step)
+        return self.target() - ctrl.groups_holding_places()
 
     def next_problem(self) -> Problem | None:
         if self.round == Round.LONG and self.long_queue:

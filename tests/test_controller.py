@@ -23,16 +23,24 @@ def controller(version=0, **kw) -> AsyncController:
 @pytest.mark.parametrize("async_ratio", [0, 1, 2])
 @pytest.mark.parametrize("start_version", [0, 7])
 def test_admission_bounded_by_async_ratio(async_ratio, start_version):
-    """(alpha + 1) batches + redundant prompts may be out at once, counted from the starting version
-    (a resumed run or a reused engine starts at version > 0 and must not flood the queue)."""
+    """(alpha + 1) batches + redundant prompts may hold places at once, whatever the starting version (a
+    resumed run or a reused engine starts at version > 0 and must not flood the queue). A trained group frees
+    its place when the next step begins, so a step that trained fewer than B frees only as many."""
+    def next_step(c, trained):       # (as collect() sees it at a step's start: `trained` more groups trained)
+        c.groups_taken += trained
+        c.taken_before_step = c.groups_taken
+        c.version += 1
+
     async def main():
         c = controller(start_version, async_ratio=async_ratio, redundant=1)
         n = await c.admit()
         assert n == (async_ratio + 1) * 4 + 1
         assert c.buffer.num_queued_tasks() == n * 2           # replication: one task per sample
-        assert await c.admit() == 0                           # nothing more until a version passes
-        c.version += 1
-        assert await c.admit() == 4                           # one more batch per version
+        assert await c.admit() == 0                           # nothing more until a batch trains
+        next_step(c, 4)
+        assert await c.admit() == 4                           # one more batch per batch trained
+        next_step(c, 1)
+        assert await c.admit() == 1                           # a short step: one group, one place
         c.asm.groups_filtered += 2                            # lost groups free their places
         assert await c.admit() == 2
     asyncio.run(main())

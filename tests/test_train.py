@@ -233,6 +233,7 @@ def test_a_killed_rank_restarts_and_the_run_resumes_from_its_last_checkpoint(tmp
     assert all(x["sync_probe_max_diff"] < 1e-4 for x in r[resumed[-1]:])
     final = json.loads((out / "checkpoint" / "state.json").read_text())
     assert final["step"] == 30 and final["data_position"] > state["data_position"]
+    assert final["next_group"] > state["next_group"] > 0              # group ids (env seeds) go on
 
 
 def test_lora_with_tail_batching_and_the_streaming_trainer_syncs_only_the_adapter_and_resumes(tmp_path):
@@ -256,7 +257,7 @@ def test_lora_with_tail_batching_and_the_streaming_trainer_syncs_only_the_adapte
     assert (ck / "adapter_model.safetensors").exists() and not (ck / "model.safetensors").exists()
     assert json.loads((ck / "adapter_config.json").read_text())["r"] == 8
     state = json.loads((ck / "state.json").read_text())
-    assert state["step"] == 3 and "long_queue" in state
+    assert state["step"] == 3 and "long_queue" in state["admission"]
     r = finish(torchrun(out, "--steps", "5", *flags, "--resume", rollout_gpus=1), out)
     assert "weights: group" in Path(out).with_suffix(".log").read_text()
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5] and all(x["sync_probe_max_diff"] < 1e-4 for x in r[3:])
@@ -265,7 +266,7 @@ def test_lora_with_tail_batching_and_the_streaming_trainer_syncs_only_the_adapte
     for x in r:
         assert x["staleness_max"] == 0 and abs(x["ratio_mean"] - 1) < 1e-4 and x["num_samples"] == 16
         assert x["round"] in ("short", "long") and x["time_trainer_busy"] > 0
-    assert r[3]["round"] == ("long" if len(state["long_queue"]) >= 4 else "short")
+    assert r[3]["round"] == ("long" if len(state["admission"]["long_queue"]) >= 4 else "short")
     assert sum(x["prompts_deferred"] for x in r) > 0 and "long" in [x["round"] for x in r]
     # the adapter moves the probe far past 1e-4: an engine that ignored it would fail the checks above
     import torch

@@ -126,6 +126,8 @@ class SimConfig:
     replicate: bool = True          # prompt replication
     rollout_mode: str = "queue"     # "queue" or "batch"
     filter_groups: bool = True       # DAPO dynamic filtering of all-equal-reward groups
+    max_gen_batches: int = 0        # dynamic filtering's bound per step (ControllerConfig's), 0 = none
+    on_max_gen_batches: str = "error"   # ... and what it does when reached: error | train
     env: str = ""                   # "" RLVR single turn; "guess" = a multi-turn env (SimEnv times it)
     env_redundancy: int = 0         # extra trajectories per env group, first G kept
     tail_batching: bool = False     # RollPacker's tail batching (ext/tail_batching.py's Admission)
@@ -203,6 +205,7 @@ class SimConfig:
                                     # to fill)
     warmup: int = 2                 # first steps excluded from the steady-state numbers (pipeline fill)
     seed: int = 0
+    start_version: int = 0          # the policy version the run starts at (a resumed run: its checkpoint's)
     poll_s: float = 1.0             # EnvManager poll period, virtual seconds (real: 0.01; see docstring)
     timeout_s: float = 3600.0       # every wait (queues, acks, env calls), virtual seconds
     gpus: int = 0                   # rollpacker's GPU budget (0: ROLLPACKER_GPUS)
@@ -464,7 +467,8 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
     buffer = SampleBuffer(LocalQueues(R), "sim", cfg.timeout_s)
     ccfg = sub_config(ControllerConfig, cfg)
     admission = TailBatching(ccfg, cfg.tail_oversample, cfg.tail_extra_samples) if cfg.tail_batching else None
-    ctrl = AsyncController(ccfg, buffer, problems or sim_problems(cfg), R, admission=admission)
+    ctrl = AsyncController(ccfg, buffer, problems or sim_problems(cfg), R, version=cfg.start_version,
+                           admission=admission)
     if setup is not None:
         setup(ctrl)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
@@ -478,6 +482,7 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
     for r in range(R):
         engine = sim_engine(cfg, workload, seed=cfg.seed * 10007 + r)
         proxy = LLMProxy(engine, rank=r, timeout_s=cfg.timeout_s)
+        proxy.version = cfg.start_version         # (as train.py's rollout ranks: the checkpoint's weights)
         rng = random.Random(cfg.seed * 7919 + r)
         barrier = asyncio.Barrier(cfg.max_concurrency) if cfg.lockstep == "engine" else batch_barrier
 
