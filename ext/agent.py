@@ -28,10 +28,25 @@ A completions call stitches the same way on its prompt text; a prompt of token i
 
 Tool calls: with `tools` in the request, the reply's <tool_call>{"name": ..., "arguments": ...}</tool_call>
 blocks (Qwen's / Hermes' format) come back as OpenAI tool_calls (finish_reason "tool_calls").
+
+Stop strings: the reply's text is cut before the first stop string, and the trajectory keeps only the
+model's tokens of the text returned; the stop string's tokens and all after it are dropped. A token that
+straddles the cut is dropped too, and the part of the returned text it covered is tokenised with the
+agent's next text (mask 0). Why not keep the stop string's tokens: the agent never sees them and builds
+its next prompt from the text it got. A ReAct agent (stop=["Observation:"]) writes "Observation: 4"
+itself, so kept tokens would put "Observation:" twice into what the engine sees next and into what is
+trained, a context the agent never sent. Cut this way, the engine's context and the trained sample are
+exactly the text the agent sent, with the model's own tokens where it returned the model's text, whatever
+the agent does with the stop string.
+
+A call the agent cancels (its own timeout, asyncio.wait_for) changes nothing: its engine request is
+aborted (closing the stream aborts it, as for any cancelled request), and the trajectory takes a call's
+new tokens only once the engine has answered it, so a retry of the same prompt is stitched onto the same
+state. Over real HTTP the same holds: a client that disconnects cancels its handler.
+
 Deliberate limits: n = 1; the run's --temperature (or the evaluation's) is used, whatever the request says
-(the trainer's log-probs assume it); stop strings cut the reply's text and the trajectory's tokens after
-it; stream=True answers in one chunk once the reply is done; one call at a time per trajectory; a call
-past --max-turns is refused.
+(the trainer's log-probs assume it); stream=True answers in one chunk once the reply is done; one call at a
+time per trajectory; a call past --max-turns is refused.
 """
 
 import asyncio
@@ -156,6 +171,7 @@ class Session:
     def __init__(self, turns):
         self.turns, self.fmt = turns, turns.fmt
         self.seen: str | None = None  # the last call's prompt text + its reply's text (None: not text)
+        self.tail = ""                # the reply's text that its kept tokens do not hold (a cut token's)
         self.messages: list[dict] | None = None     # the last chat call's messages
         self.pending: list[dict] | None = None      # this call's, until it has its reply
 
@@ -164,12 +180,13 @@ class Session:
         last call's text; else None."""
         if self.seen is None or not self.turns.traj.num_turns or not text.startswith(self.seen):
             return None
-        return self.turns.ids + self.fmt.tok.encode(self.after_eos(text[len(self.seen):]),
+        return self.turns.ids + self.fmt.tok.encode(self.tail + self.after_eos(text[len(self.seen):]),
                                                     add_special_tokens=False)
 
     def after_eos(self, text: str) -> str:
         """Text that follows the last reply, less the EOS at its start if the model wrote that EOS itself
-        (it is in the ids already), as rollout.PromptFormat.next does."""
+        (it is in the ids already), as rollout.PromptFormat.next does. (A reply cut by a stop string
+        has no EOS: Turns.keep.)"""
         last = self.turns.last_token
         eos = self.fmt.tok.decode([last]) if last is not None else None
         return text[len(eos):] if eos and text.startswith(eos) else text
@@ -197,7 +214,7 @@ class Session:
             base = self.render(messages[:len(prev) + 1], tools, False)
             if full.startswith(base):
                 close = self.after_eos(self.fmt.close_turn)    # what the template puts after a reply
-                new = self.fmt.tok.encode(close + full[len(base):], add_special_tokens=False)
+                new = self.fmt.tok.encode(self.tail + close + full[len(base):], add_special_tokens=False)
                 return self.turns.ids + new, full, "kept"
         return self.fmt.tok.encode(full, add_special_tokens=False), full, "new"
 
@@ -219,18 +236,34 @@ class Session:
                              f"required, got {str(prompt)[:100]!r}")
 
     def reply(self, token_ids: list[int], prompt_text: str | None, stop: list[str]) -> tuple[str, str | None]:
-        """After the call: the reply's text, cut before the first stop string (and the trajectory's tokens
-        after it), and the finish reason the cut sets (None: the engine's)."""
+        """After the call: the reply's text, cut before the first stop string, and the finish reason the cut
+        sets (None: the engine's). A cut reply keeps in the trajectory only the model's tokens of the text
+        returned (module docstring: the agent's next prompt is built from that text, not from the stop
+        string); `tail` is the returned text that a token straddling the cut held, added before the
+        agent's next text."""
         text, finish = self.fmt.decode(token_ids), None
-        hits = [(text.index(s), s) for s in stop if isinstance(s, str) and s and s in text]
+        self.tail = ""
+        hits = [text.index(s) for s in stop if isinstance(s, str) and s and s in text]
         if hits:
-            at, s = min(hits)
-            k = next(k for k in range(1, len(token_ids) + 1) if s in self.fmt.decode(token_ids[:k]))
-            self.turns.keep(k)                  # the model's tokens up to the stop string's end stay
-            text, finish = text[:at], "stop"
+            text, finish = text[:min(hits)], "stop"
+            k = self.tokens_of(token_ids, text)
+            self.turns.keep(k)
+            self.tail = text[len(self.fmt.decode(token_ids[:k])):]
         self.seen = None if prompt_text is None else prompt_text + text
         self.messages = self.pending
         return text, finish
+
+    def tokens_of(self, token_ids: list[int], text: str) -> int:
+        """How many of token_ids, at most, decode to a prefix of `text` (the reply's text, cut): a binary
+        search on the decoded length (decoding every prefix in turn costs O(n^2)), then back while the
+        decoded text is not a prefix of `text` (a decoder's partial character). 0 at worst."""
+        lo, hi = 0, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(self.fmt.decode(token_ids[:mid])) <= len(text) else (lo, mid - 1)
+        while lo and not text.startswith(self.fmt.decode(token_ids[:lo])):
+            lo -= 1
+        return lo
 
 
 def error_body(status: int, message: str, code: str) -> dict:
@@ -298,7 +331,8 @@ class Endpoint:
         app = web.Application(client_max_size=64 << 20)
         for path in ROUTES:
             app.router.add_route("GET" if path == "/v1/models" else "POST", path, route)
-        self.runner = web.AppRunner(app, access_log=None)
+        # a client that disconnects (its own timeout) cancels its handler, and so its engine request
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         try:
@@ -445,8 +479,9 @@ class Turns:
     (prompt + response) appends the extension as observation tokens (mask 0); the first call's ids are
     the prompt. A call that does not extend it starts a new segment: the trajectory restarts from these
     ids, so the sample is the last segment and the model tokens before it are not trained (`restarts`,
-    `tokens_dropped`). One call at a time per trajectory. The agent's own time between its calls is
-    bounded by the step deadline; the engine's time is not."""
+    `tokens_dropped`). A call changes the trajectory only once the engine has answered it: one that
+    fails or is cancelled leaves it as it was. One call at a time per trajectory. The agent's own time
+    between its calls is bounded by the step deadline; the engine's time is not."""
 
     def __init__(self, proxy, cfg: RolloutConfig, fmt: PromptFormat, task: RolloutTask, traj: Trajectory,
                  tag: str, timeout: asyncio.Timeout, limit_s: float):
@@ -477,15 +512,7 @@ class Turns:
             raise ValueError(f"{where}: prompt of {len(ids)} tokens leaves no room under "
                              f"max_model_len={cfg.max_model_len}")
         n = len(traj.prompt_ids) + len(traj.response_ids)
-        if not traj.prompt_ids:
-            traj.prompt_ids = list(ids)
-        elif len(ids) >= n and ids[:n] == self.ids:
-            traj.add(list(ids[n:]))
-        else:                                   # a new segment: what came before is not trained
-            self.restarts += 1
-            self.tokens_dropped += sum(traj.loss_mask)
-            traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, traj.versions = (
-                list(ids), [], [], [], [])
+        extends = bool(traj.prompt_ids) and len(ids) >= n and ids[:n] == self.ids
         temperature = cfg.temperature if self.task.eval_temperature is None else self.task.eval_temperature
         sampling = Sampling(min(max_tokens or cfg.max_tokens, cfg.max_model_len - len(ids)), temperature,
                             stream_interval=cfg.stream_interval)
@@ -503,6 +530,17 @@ class Turns:
         if c.finish_reason == "abort":
             self.aborted = True
             raise Aborted(f"{where} turn {traj.num_turns} aborted")
+        # Only now, with the engine's answer, does the call change the trajectory: a call that failed or
+        # was cancelled (the agent's own timeout; its engine request is aborted as the stream closes)
+        # leaves it as it was, so the agent's retry of the same prompt joins it as the first try would.
+        if extends:
+            traj.add(list(ids[n:]))
+        else:
+            if traj.prompt_ids:                 # a new segment: what came before is not trained
+                self.restarts += 1
+                self.tokens_dropped += sum(traj.loss_mask)
+            traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, traj.versions = (
+                list(ids), [], [], [], [])
         traj.add(c.token_ids, c.logprobs, c.versions)
         traj.num_turns += 1
         traj.finish_reason = c.finish_reason
@@ -511,12 +549,13 @@ class Turns:
         return c
 
     def keep(self, k: int):
-        """Keep only the first k tokens of the last reply (a stop string ended it there): the rest go."""
-        cut = self.last_len - k
-        if 0 < k and cut > 0:
-            t = self.traj
+        """Keep only the first k (0 or more) tokens of the last reply (a stop string cut it there): the
+        rest go, its EOS with them, so what follows is the agent's text after a reply with no EOS."""
+        t, cut = self.traj, self.last_len - k
+        if cut > 0:
             del t.response_ids[-cut:], t.logprobs[-cut:], t.loss_mask[-cut:], t.versions[-cut:]
-            self.last_len, self.last_token, t.finish_reason = k, None, "stop"
+            self.last_len = k
+        self.last_token, t.finish_reason = None, "stop"
 
 
 async def drive(proxy, fmt, cfg, task, traj, tag, meta, deadline, play) -> Sample:

@@ -59,21 +59,29 @@ CHATML_TOOLS = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def chatml_tok():
-    """A character-level tokenizer over printable ASCII with ChatML's special tokens (EOS <|im_end|>)."""
+def char_tokenizer(merged: tuple[str, ...] = ()):
+    """A character-level tokenizer over printable ASCII with ChatML's special tokens (EOS <|im_end|>), and
+    the strings of `merged` as single tokens wherever they occur (as a BPE tokenizer's merges make them)."""
+    import re
+
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tk = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIALS + chars)},
+    tk = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIALS + chars + list(merged))},
                                     unk_token="<|endoftext|>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("|".join([*map(re.escape, merged), "."])),
+                                            behavior="isolated")
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   bos_token=None, additional_special_tokens=["<|im_start|>"],
                                   clean_up_tokenization_spaces=False)
     tok.chat_template = CHATML_TOOLS
     return tok
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    return char_tokenizer()
 
 
 def scripted(tok, script):
@@ -92,9 +100,10 @@ def scripted(tok, script):
     return respond
 
 
-def run_agent(tok, fn, respond, problems, cfg=None, env_step_timeout_s=5.0, holder=None):
-    """Each problem as one agent task on a fresh EnvManager over the fake engine: (samples and failed
-    samples in arrival order, the rank's stats, the endpoint)."""
+def run_agent(tok, fn, respond, problems, cfg=None, env_step_timeout_s=5.0, holder=None, engine=None):
+    """Each problem as one agent task on a fresh EnvManager over the fake engine (`engine`, or a new one
+    answering with `respond`): (samples and failed samples in arrival order, the rank's stats, the
+    endpoint)."""
     cfg = cfg or RolloutConfig(max_tokens=80, max_model_len=400, max_retries=0,
                                env_step_timeout_s=env_step_timeout_s)
 
@@ -102,8 +111,8 @@ def run_agent(tok, fn, respond, problems, cfg=None, env_step_timeout_s=5.0, hold
         endpoint = register(fn, "test agent", MODEL)
         if holder is not None:
             holder["endpoint"] = endpoint
-        proxy = LLMProxy(FakeTimedEngine(t0=0.001, k=0.0, respond=respond, vocab_size=len(tok)), rank=0,
-                         timeout_s=30)
+        proxy = LLMProxy(engine or FakeTimedEngine(t0=0.001, k=0.0, respond=respond, vocab_size=len(tok)),
+                         rank=0, timeout_s=30)
         buf = SampleBuffer(LocalQueues(1), "agent test", timeout_s=60)
         mgr = EnvManager(proxy, buf, tok, rank=0, cfg=cfg)
         tasks = [RolloutTask(f"t{i}", f"g{i}", p, env="agent") for i, p in enumerate(problems)]
@@ -246,7 +255,152 @@ def test_stop_strings_cut_the_reply_and_the_trajectory_and_streaming_answers_in_
     assert text == "ok" and seen["chunks"][-2].choices[0].finish_reason == "stop"
     # the second call's prompt does not extend the first: a new segment (counted); the sample is "x" + "ok"
     assert s.response_ids == tiny_tok.encode("ok", add_special_tokens=False) + [tiny_tok.eos_token_id]
-    assert s.meta["tokens_dropped"] == 3                          # "12+": cut after the stop string's token
+    assert s.meta["tokens_dropped"] == 2          # "12": the text returned; the stop string's "+" was cut
+
+
+# ---------------------------------------------------------------------------------------------
+# a ReAct agent (stop=["Observation:"]): the engine sees and the sample trains exactly what the agent sent
+
+
+def enc_with(tok):
+    return lambda text: tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("merged", [(), ("\nObs",)], ids=["chars", "a token across the cut"])
+def test_a_completion_cut_at_a_stop_string_leaves_the_stop_string_to_the_agent(merged):
+    """The model writes an observation of its own; the stop string cuts it off and the agent writes the
+    real one, "Observation: 4", after the text it got. The engine's next prompt must be that text, not
+    the stop string twice. With a token "\nObs" the cut falls inside a model token: that token goes, and
+    the "\n" it held comes back with the agent's text (mask 0)."""
+    tok = char_tokenizer(merged)
+    enc = enc_with(tok)
+    got_back = []
+
+    async def agent(client, model, problem):
+        prompt = problem["prompt"]
+        for _ in range(3):
+            r = await client.completions.create(model=model, prompt=prompt, stop=["Observation:"])
+            text = r.choices[0].text
+            got_back.append((text, r.choices[0].finish_reason))
+            if not text.startswith("Action:"):
+                return float(text == "Answer: 4")
+            prompt += text + "Observation: 4\n"
+        return 0.0
+
+    respond = scripted(tok, [("Observation: 4\n", "Answer: 4"),
+                             ("Q: 2+2\n", "Action: calc\nObservation: 5\nAnswer: 5")])
+    got, stats, _ = run_agent(tok, agent, respond, [Problem("Q: 2+2\n", "4")])
+    [s] = got
+    assert got_back == [("Action: calc\n", "stop"), ("Answer: 4", "stop")]
+    sent = "Q: 2+2\nAction: calc\nObservation: 4\n"           # the agent's second prompt
+    assert len(respond.prompts) == 2 and tok.decode(respond.prompts[1]) == sent
+    assert not s.failed and s.reward == 1.0 and s.num_turns == 2 and s.meta["restarts"] == 0
+    # the model's tokens of the text returned (mask 1), the rest of the agent's text (mask 0), the answer
+    model, added = ("Action: calc\n", "Observation: 4\n") if not merged else ("Action: calc",
+                                                                                 "\nObservation: 4\n")
+    assert s.prompt_ids == enc("Q: 2+2\n")
+    assert s.response_ids == enc(model) + enc(added) + enc("Answer: 4") + [tok.eos_token_id]
+    assert s.loss_mask == [1] * len(model) + [0] * len(enc(added)) + [1] * 10
+    assert s.logprobs == [-1.0 if m else 0.0 for m in s.loss_mask]     # (the fake engine's, and 0.0)
+    assert len(s.versions) == sum(s.loss_mask)
+    # what the engine saw is what is trained, and the model's tokens are the engine's own (not re-encoded)
+    assert respond.prompts[1] == (s.prompt_ids + s.response_ids)[:len(respond.prompts[1])]
+    assert stats["agent"]["appended"] == 1
+
+
+def test_a_chat_reply_cut_at_a_stop_string_leaves_the_stop_string_to_the_agent(chatml_tok):
+    """The same for chat: the agent puts the text it got back as the assistant's message and the real
+    observation as the user's; the engine's next prompt is exactly the template's rendering of them."""
+    enc = enc_with(chatml_tok)
+    got_back = []
+    sent = []
+
+    async def agent(client, model, problem):
+        msgs = [{"role": "user", "content": problem["prompt"]}]
+        for _ in range(3):
+            sent.append(chatml_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            r = await client.chat.completions.create(model=model, messages=msgs, stop=["Observation:"])
+            text = r.choices[0].message.content
+            got_back.append((text, r.choices[0].finish_reason))
+            if not text.startswith("Action:"):
+                return float(text == "Answer: 4")
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Observation: 4"}]
+        return 0.0
+
+    respond = scripted(chatml_tok, [("Observation: 4<|im_end|>\n<|im_start|>assistant\n", "Answer: 4"),
+                                    ("Q: 2+2<|im_end|>\n<|im_start|>assistant\n",
+                                     "Action: calc\nObservation: 5\nAnswer: 5")])
+    got, stats, _ = run_agent(chatml_tok, agent, respond, [Problem("Q: 2+2", "4")])
+    [s] = got
+    assert got_back == [("Action: calc\n", "stop"), ("Answer: 4", "stop")]
+    assert respond.prompts == [enc(sent[0]), enc(sent[1])]        # exactly what the agent's messages render
+    assert not s.failed and s.reward == 1.0 and s.num_turns == 2 and s.meta["restarts"] == 0
+    # the reply was cut, so no EOS of the model's: the template's <|im_end|> comes with the agent's text
+    added = enc("<|im_end|>\n<|im_start|>user\nObservation: 4<|im_end|>\n<|im_start|>assistant\n")
+    assert s.prompt_ids == enc(sent[0])
+    assert s.response_ids == enc("Action: calc\n") + added + enc("Answer: 4") + [chatml_tok.eos_token_id]
+    assert s.loss_mask == [1] * 13 + [0] * len(added) + [1] * 10
+    assert s.logprobs == [-1.0 if m else 0.0 for m in s.loss_mask] and len(s.versions) == 23
+    assert respond.prompts[1] == (s.prompt_ids + s.response_ids)[:len(respond.prompts[1])]
+    assert stats["agent"]["appended"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# an agent's own timeout: the call it cancels leaves nothing behind, in the trajectory or the engine
+
+
+@pytest.mark.parametrize("over_http", [False, True], ids=["in-process", "http"])
+def test_a_call_the_agent_cancels_and_retries_is_in_the_trajectory_once(chatml_tok, over_http):
+    """The agent wraps its second call in asyncio.wait_for and its timeout fires while the engine holds
+    the request (the engine is paused at that request, so the timeout always fires first); the agent then
+    retries the same prompt. The cancelled request must leave the engine, and the retry's prompt (and the
+    sample) must hold the observation once: the cancelled call must not have changed the trajectory."""
+    enc = enc_with(chatml_tok)
+    holding = asyncio.Event()          # the engine has the second call's request, paused
+    seen = {}
+
+    def respond(ids):
+        prompts.append(list(ids))
+        if len(prompts) == 2:
+            engine.paused = True       # (the engine steps no request until resumed)
+            holding.set()
+        return enc("A2" if len(prompts) > 1 else "A1") + [chatml_tok.eos_token_id]
+    prompts: list[list[int]] = []
+    engine = FakeTimedEngine(t0=0.001, k=0.0, respond=respond, vocab_size=len(chatml_tok))
+
+    async def agent(client, model, problem):
+        if over_http:      # the same trajectory through the rank's HTTP server: a timeout disconnects
+            client = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        r = await client.completions.create(model=model, prompt="Q\n")
+        prompt = "Q\n" + r.choices[0].text + "obs\n"
+        call = asyncio.ensure_future(client.completions.create(model=model, prompt=prompt))
+        await holding.wait()
+        try:                           # the agent's timeout fires now, while the engine holds the call
+            await asyncio.wait_for(call, timeout=0)
+        except TimeoutError:
+            seen["timed out"] = True
+        try:                           # (over HTTP the server sees the disconnect a moment later)
+            async with asyncio.timeout(3):
+                while engine.running:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            raise AssertionError("the cancelled call's request is still in the engine") from None
+        await engine.resume()
+        r = await client.completions.create(model=model, prompt=prompt)
+        return float(r.choices[0].text == "A2")
+
+    got, stats, _ = run_agent(chatml_tok, agent, None, [Problem("", "")], engine=engine)
+    [s] = got
+    assert not s.failed, s.meta["error"]
+    assert seen == {"timed out": True} and s.reward == 1.0
+    eos = chatml_tok.eos_token_id
+    first = enc("Q\n") + enc("A1") + [eos] + enc("obs\n")         # "Q\nA1<|im_end|>obs\n"
+    assert [chatml_tok.decode(p) for p in prompts[1:]] == [chatml_tok.decode(first)] * 2
+    assert prompts == [enc("Q\n"), first, first]
+    assert s.prompt_ids == enc("Q\n") and s.num_turns == 2 and s.meta["restarts"] == 0
+    assert s.response_ids == enc("A1") + [eos] + enc("obs\n") + enc("A2") + [eos]
+    assert s.loss_mask == [1] * 3 + [0] * 4 + [1] * 3 and len(s.versions) == 6
+    assert not engine.running and stats["in_flight"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
