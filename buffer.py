@@ -172,13 +172,38 @@ def exchange(t, rank: int, samples: list, want_command: bool, max_tasks: int):
     return (got[0] if got else None), t.get_many_nowait("tasks", min(max_tasks, queued)), queued
 
 
+class FrontQueue(asyncio.Queue):
+    """An asyncio.Queue (FIFO) whose items can also go back to its front, in order: the tasks a rank passed
+    over keep their place. (_init, _put and _get are the hooks asyncio's own LifoQueue overrides.)"""
+
+    def _init(self, maxsize):
+        self._queue, self._front = collections.deque(), False
+
+    def _put(self, item):
+        if self._front:
+            self._queue.appendleft(item)
+        else:
+            self._queue.append(item)
+
+    def _get(self):
+        return self._queue.popleft()
+
+    def put_front_nowait(self, items: list):
+        self._front = True
+        try:
+            for item in reversed(items):
+                self.put_nowait(item)
+        finally:
+            self._front = False
+
+
 class LocalQueues:
     """In-process asyncio queues (tests, simulator). num_ranks command queues, one per rollout rank."""
 
     round_trips = False       # every call answers at once: no thread (virtual time stays exact)
 
     def __init__(self, num_ranks: int):
-        self.queues = {name: asyncio.Queue() for name in QUEUE_NAMES}
+        self.queues = {name: FrontQueue() for name in QUEUE_NAMES}
         self.commands = [asyncio.Queue() for _ in range(num_ranks)]
 
     def q(self, name: str, rank: int | None = None):
@@ -190,6 +215,9 @@ class LocalQueues:
     def put_many_nowait(self, name, items, rank=None):
         for item in items:
             self.q(name, rank).put_nowait(item)
+
+    async def put_front(self, name, items):
+        self.q(name).put_front_nowait(list(items))
 
     async def get_many(self, name, max_items: int, rank=None) -> list:
         """Wait for at least one item; return up to max_items."""
@@ -219,6 +247,10 @@ class ServedQueue:
 
     def put_many(self, items: list):
         self.items.extend(items)
+
+    def put_front(self, items: list):
+        """Back to the front, in their order (one call: no other client's items come between)."""
+        self.items.extendleft(reversed(items))
 
     def get_many(self, max_items: int) -> list:
         out = []
@@ -332,6 +364,9 @@ class ManagerQueues:
         # multiprocessing's own: each thread gets its connection)
         await asyncio.to_thread(self.q(name, rank).put_many, list(items))
 
+    async def put_front(self, name, items):
+        await asyncio.to_thread(self.q(name).put_front, list(items))
+
     async def get_many(self, name, max_items: int, rank=None) -> list:
         wait, longest = self.POLL_S
         while not (items := self.get_many_nowait(name, max_items, rank)):
@@ -395,6 +430,11 @@ class SampleBuffer:
 
     async def put_tasks(self, tasks: list[RolloutTask]):
         await self._bounded(self.t.put_many("tasks", tasks), "put tasks")
+
+    async def return_tasks(self, tasks: list[RolloutTask]):
+        """Tasks a rollout rank took and passed over go back to the task queue's front, in their order, so
+        that they start before the tasks queued after them (a group's samples start close together)."""
+        await self._bounded(self.t.put_front("tasks", tasks), "return tasks")
 
     async def get_sample(self, timeout: float | None = None) -> Sample:
         if not self.inbox:          # one round trip fetches every sample waiting

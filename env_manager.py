@@ -233,7 +233,7 @@ class EnvManager:
         other ranks pull too (module docstring). The held tasks first (the loop's exchange fetched up to
         as many as there were free slots), then one round trip fetches more when they are used up; it
         looks at each task queued at the exchange at most once (budget: those not fetched yet), and the
-        tasks it passes over go back on the queue, in order, in one more round trip. Never waits for a
+        tasks it passes over go back to the queue's front, in order, in one more round trip. Never waits for a
         task (the queue is polled)."""
         t_now = now()
         spread = self.num_ranks > 1
@@ -272,7 +272,7 @@ class EnvManager:
                 self._start(self.held.popleft())
         finally:
             if passed_over:
-                await self.buffer.put_tasks(passed_over)
+                await self.buffer.return_tasks(passed_over)
 
     def _start(self, t: RolloutTask):
         self.slots_used += t.num_samples

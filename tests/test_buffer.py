@@ -174,6 +174,10 @@ def test_exchange_is_a_rollout_ranks_tick_in_one_call(transport):
             assert await b_cli.exchange(1, [], True, 8) == (Command(Cmd.STOP), [], 0)
             assert await b_cli.exchange(1, [], True, 8) == (None, [], 0)
             assert b_srv.get_command_nowait(0) == Command(Cmd.STOP)
+            # tasks a rank passed over go back to the front, in their order, before those queued since
+            await b_srv.put_tasks([RolloutTask("t5", "g5", Problem("1+1=", "2"))])
+            await b_cli.return_tasks(tasks[1:])
+            assert [t.task_id for t in b_cli.get_tasks_nowait(8)] == ["t3", "t4", "t5"]
         asyncio.run(main())
     finally:
         if tcp:

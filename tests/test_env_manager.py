@@ -196,6 +196,23 @@ def test_idle_ranks_share_a_group_at_default_concurrency(tok):
     assert ranks == [0] * 8
 
 
+def test_tasks_a_rank_passes_over_go_back_to_the_front_of_the_queue(tok):
+    """Rank 0 of two, 2 free slots; queued: a.0, a.1, b.0, c.0. It starts a.0, passes over a.1 (one task of
+    a group per poll period: the other rank takes it), starts b.0 and puts a.1 back at the queue's front, so
+    that a's second sample starts next, close to its first, not after every task queued behind it."""
+    async def main():
+        buf = SampleBuffer(LocalQueues(2), "test")
+        m = make_manager(buf, tok, rank=0, cfg=rcfg(max_concurrency=2), length_sampler=lambda rng: 20)
+        await buf.put_tasks([add_task("a.0", "a"), add_task("a.1", "a"), add_task("b.0", "b"),
+                             add_task("c.0", "c")])
+        await m._pull_tasks(budget=4)
+        started, left = sorted(m.jobs), [t.task_id for t in buf.get_tasks_nowait(10)]
+        await m._abort(list(m.jobs), None)
+        return started, left
+    started, left = run_virtual(main())
+    assert started == ["a.0", "b.0"] and left == ["a.1", "c.0"]
+
+
 def test_a_rank_takes_the_rest_of_a_group_when_the_others_are_full(tok):
     """Rank 1 is full (max_concurrency 1, busy with a long task): rank 0 takes the whole group,
     one more sample per poll period, and nothing waits for rank 1."""
