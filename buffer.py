@@ -62,6 +62,9 @@ class Sample:
     admit_version: int = 0
     failed: bool = False              # env raised or timed out: recorded, never trained on
     meta: dict = field(default_factory=dict)
+    # more per-token values by name, one per model token like `versions` (an ext/ file's: the teacher's
+    # log-probs); each reaches the loss as losses.Terms.fields[name], on the loss mask's columns
+    token_fields: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def oldest_version(self) -> int:
