@@ -12,7 +12,7 @@ What lives here:
 - the transport: LocalQueues (asyncio, one process: tests, tools/sim.py) or ManagerQueues (served
   over TCP by trainer rank 0 with an authkey: train.py), a list of items per round trip, wrapped by
   SampleBuffer, whose methods are async and all take a timeout;
-- fresh(oldest_version, version, async_ratio), the one place the paper's async-ratio rule lives;
+- Freshness, the freshness rule (the paper's async ratio), the one place it lives;
 - GroupAssembler: GRPO groups by group_id, with the freshness rule and dynamic filtering.
 
 Design notes: DESIGN.md#bufferpy
@@ -80,9 +80,31 @@ class Sample:
         return self.failed and ("aborted" in self.meta or "engine_lost" in self.meta)
 
 
-def fresh(sample_oldest_version: int, version: int, async_ratio: int) -> bool:
-    """Freshness rule: usable by the trainer at `version` iff oldest >= version - async_ratio."""
-    return sample_oldest_version >= version - async_ratio
+class Freshness:
+    """The freshness rule, the paper's async ratio: a sample may train the update that makes version + 1
+    (the trainer at `version`) only if its oldest token came from a policy no older than version - max_lag.
+    The controller holds one: its GroupAssembler asks it of every sample, admission sizes its capacity by
+    max_lag, and every SYNC carries it to the rollout ranks, which abort the running work that can no longer
+    pass it. An Extension's `freshness` hook may give another: override fresh() (a bound per group, say)
+    and end_step() (an adaptive bound that moves after each step); max_lag must stay the most any group may
+    lag (admission and forgetting use it)."""
+
+    def __init__(self, async_ratio: int):
+        self.max_lag = async_ratio
+
+    def fresh(self, oldest_version: int, version: int, group_id: str = "") -> bool:
+        return oldest_version >= version - self.max_lag
+
+    def end_step(self, ctrl, info: dict):
+        """A step's batch is complete (info: its collect metrics); an adaptive rule updates itself here."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__} (max lag {self.max_lag} versions; --async-ratio)"
+
+    @staticmethod
+    def of(rule: "Freshness | int") -> "Freshness":
+        """A rule as given, or the async ratio's for an int."""
+        return rule if isinstance(rule, Freshness) else Freshness(rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +135,8 @@ class Command:
     group: object = None                   # SYNC: the weight-sync group to receive over
                                            # (weight_sync.GroupSpec)
     probe: bool = False                    # SYNC: score the probe sequence after loading (ack.probe)
+    freshness: Freshness | None = None     # SYNC: the controller's freshness rule (running work that fails
+                                           # it is aborted); None: the rank keeps its own
     group_ids: list[str] = field(default_factory=list)   # ABORT_GROUPS
 
 
@@ -544,11 +568,12 @@ class GroupAssembler:
 
     FORGET_AFTER = 8
 
-    def __init__(self, group_size: int, async_ratio: int, filter_groups: bool = True, order: str = "oldest"):
+    def __init__(self, group_size: int, freshness: Freshness | int, filter_groups: bool = True,
+                 order: str = "oldest"):
         if order not in ORDERS:
             raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {order!r}")
         self.group_size = group_size
-        self.async_ratio = async_ratio
+        self.freshness = Freshness.of(freshness)    # (an int: the async ratio's rule)
         self.filter_groups = filter_groups
         self.order = order
         self.pending: dict[str, list[Sample]] = {}
@@ -581,7 +606,7 @@ class GroupAssembler:
         setattr(self, f"groups_{why}", getattr(self, f"groups_{why}") + groups)
 
     def _fresh(self, s: Sample, version: int) -> bool:
-        return fresh(s.oldest_version, version, self.async_ratio)
+        return self.freshness.fresh(s.oldest_version, version, s.group_id)
 
     def _resolve(self, group_id: str, version: int):
         self.resolved.append((version, group_id))
@@ -659,7 +684,7 @@ class GroupAssembler:
                 self._lose(group[0].group_id, Lost.STALE, version, samples=group)
                 dropped.append(group[0].group_id)
         self.ready = keep
-        horizon = version - self.async_ratio - self.FORGET_AFTER
+        horizon = version - self.freshness.max_lag - self.FORGET_AFTER
         while self.resolved and self.resolved[0][0] < horizon:      # forget long-resolved groups
             v, gid = self.resolved.popleft()
             if self.resolved_at.get(gid) == v:                      # (not resolved again since)

@@ -130,6 +130,9 @@ class Extension:
     def admission(self, ctrl_cfg):
         """Which prompts run and when (controller.Admission), if not the async ratio's own."""
 
+    def freshness(self, ctrl_cfg):
+        """The freshness rule (buffer.Freshness), if not --async-ratio's fixed bound: an adaptive one."""
+
     def train_backend(self, ranks, probe_due):
         """How a step's groups are trained (controller.TrainBackend), if not as one whole batch."""
 

@@ -27,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 import runlog
-from buffer import ORDERS, Ack, Cmd, Command, GroupAssembler, Lost, Phase, RolloutTask, SampleBuffer
+from buffer import (ORDERS, Ack, Cmd, Command, Freshness, GroupAssembler, Lost, Phase, RolloutTask,
+                    SampleBuffer)
 from config import check, flag, opt
 from losses import estimate_advantages
 from proxy import now   # event-loop time: real in train.py, virtual in tools/sim.py
@@ -76,6 +77,9 @@ class ControllerConfig:
                              f"{', '.join(k for k in ENVS if k)} (empty: single-turn RLVR)")
 
 
+STALE_WARN_SHARE = 0.25      # a step that drops more of its samples as stale warns (once a run)
+
+
 class Admission:
     """How many groups may be in flight and which prompt runs next: the async ratio's bound (module
     docstring). Another policy (ext/tail_batching.py) overrides these; the controller calls each at the
@@ -91,7 +95,7 @@ class Admission:
     def capacity(self, ctrl) -> int:
         """How many more groups may be admitted now: alpha + 1 batches and the redundant groups, less the
         places held (ctrl.groups_holding_places)."""
-        limit = (self.cfg.async_ratio + 1) * self.cfg.batch_groups + self.cfg.redundant
+        limit = (ctrl.freshness.max_lag + 1) * self.cfg.batch_groups + self.cfg.redundant
         return limit - ctrl.groups_holding_places()
 
     def next_problem(self) -> Problem | None:
@@ -128,14 +132,16 @@ class Admission:
 class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
                  version: int = 0, prompt_len=None, max_model_len: int = 0, log=None,
-                 admission: Admission | None = None, recovery=None):
+                 admission: Admission | None = None, recovery=None, freshness: Freshness | None = None):
         self.cfg = cfg
         self.buffer = buffer
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
         self.num_ranks = num_rollout_ranks
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
-        self.asm = GroupAssembler(cfg.group_size, cfg.async_ratio, cfg.filter_groups, cfg.sample_order)
+        # the freshness rule (the async ratio's, or an Extension's): the assembler holds it (`freshness`)
+        self.asm = GroupAssembler(cfg.group_size, freshness or Freshness(cfg.async_ratio), cfg.filter_groups,
+                                  cfg.sample_order)
         self.admission = admission or Admission(cfg)
         self.extra: set[str] = set()           # unresolved groups running more samples than group_size
         self.groups_admitted = 0
@@ -176,6 +182,16 @@ class AsyncController:
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
         self.taken_before_step = 0             # groups_taken when this step's collect began
         self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
+        self._warned_stale = False             # so is the warning of a step that dropped many stale samples
+
+    @property
+    def freshness(self) -> Freshness:
+        """The freshness rule: the assembler's, admission's, and every SYNC's."""
+        return self.asm.freshness
+
+    @freshness.setter
+    def freshness(self, rule: Freshness):
+        self.asm.freshness = rule
 
     # --- schedule
     def _groups_lost(self) -> int:
@@ -306,7 +322,7 @@ class AsyncController:
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
                                                  if g[0].group_id in self.trained_groups)
         # bounded, as the assembler's ids
-        horizon = self.version - cfg.async_ratio - GroupAssembler.FORGET_AFTER
+        horizon = self.version - self.freshness.max_lag - GroupAssembler.FORGET_AFTER
         self.trained_groups = {g: v for g, v in self.trained_groups.items() if v >= horizon}
         self.trained_groups.update((g[0].group_id, self.version) for g in groups)
         policy = await self.admission.end_step(self)
@@ -328,7 +344,21 @@ class AsyncController:
             **policy,
         }
         self._collect_span = [wall0, time.time()]
+        self._warn_stale(info, len(self.step_rewards))
+        self.freshness.end_step(self, info)
         return batch, info
+
+    def _warn_stale(self, info: dict, received: int):
+        """Once a run: a step that dropped more than STALE_WARN_SHARE of the samples it received as stale,
+        naming the rule and the flags (admission ran work the rule then threw away)."""
+        dropped = info["samples_dropped_stale"]
+        if self.log and not self._warned_stale and dropped > STALE_WARN_SHARE * max(received, 1):
+            self._warned_stale = True
+            self.log(f"step {self.version - self.version0 + 1}: {dropped} of the {received} samples received "
+                     f"were dropped as stale under the freshness rule {self.freshness}, with admission "
+                     f"{type(self.admission).__name__} (--batch-groups {self.cfg.batch_groups}, --redundant "
+                     f"{self.cfg.redundant}): the work admitted outlives the rule; raise --async-ratio or "
+                     f"admit less")
 
     def _filtering_spins(self, before: dict, n_ready: int) -> bool:
         """Dynamic filtering that keeps resampling: warn once a run when most of a step's complete groups
@@ -439,9 +469,9 @@ class AsyncController:
         for attempt in itertools.count(1):
             self.sends += 1           # (the ipc transport's keys: one sequence number per broadcast)
             group = self.group.with_gen(self.gen, self.sends) if self.group is not None else None
-            for r in range(self.num_ranks):
+            for r in range(self.num_ranks):    # (the rule travels too: the ranks abort what fails it)
                 await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe,
-                                                          group=group))
+                                                          group=group, freshness=self.freshness))
             try:
                 if asyncio.iscoroutinefunction(self.send_fn):
                     await self.send_fn(group)             # the simulator's model of the transfer

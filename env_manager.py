@@ -1,6 +1,6 @@
 """env_manager.py: the rollout side of one rank. Many concurrent trajectories over one LLMProxy.
 
-    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...), async_ratio=2)
+    mgr = EnvManager(proxy, buffer, tokenizer, rank=r, cfg=RolloutConfig(...))
     stats = await mgr.run()        # acks READY, then runs until the controller sends Cmd.STOP
 
 EnvManager schedules slots and runs the controller's commands; each slot runs one sample's
@@ -20,7 +20,7 @@ import asyncio
 import collections
 import math
 
-from buffer import Ack, Cmd, Command, Lost, Phase, RolloutTask, Sample, fresh
+from buffer import Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample
 from proxy import EngineError, Status, now
 from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory,
                      env_seed, inline_reward, run_trajectory)
@@ -33,8 +33,9 @@ from task import load_reward
 
 class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
-                 async_ratio: int = 2, sync_timeout_s: float = 600.0, probe_ids: list[int] | None = None,
-                 env_wrappers=None, recovery=None, scorer=None, deadline=None):
+                 freshness: Freshness | int | None = None, sync_timeout_s: float = 600.0,
+                 probe_ids: list[int] | None = None, env_wrappers=None, recovery=None, scorer=None,
+                 deadline=None):
         """env_wrappers: (env) -> env, applied to every env (ext/faults.py); recovery: what replaces a dead
         engine (ext/recovery.py), None: an engine failure ends the rank; scorer: what scores answers
         (ext/verifiers.py's pool: score, stats, shutdown), None: inline; deadline: the env calls' (ext/
@@ -47,7 +48,9 @@ class EnvManager:
         if not (cfg.max_tokens and cfg.max_model_len):
             raise ValueError("EnvManager: max_tokens and max_model_len of 0 mean 'from the model': "
                              "RolloutConfig.resolved() first")
-        self.async_ratio = async_ratio          # the controller's; aborts work that can no longer be fresh
+        # the freshness rule (an int: the async ratio's; None: none) until a SYNC brings the controller's; a
+        # sync aborts the running work that can no longer pass it
+        self.freshness = None if freshness is None else Freshness.of(freshness)
         self.sync_timeout_s = sync_timeout_s    # a weight sync (suspend to SYNCED ack) longer is an error
         # rollout ranks pulling from the same task queue: one per command queue (1 = pull greedily)
         self.num_ranks = len(buffer.t.commands)
@@ -210,9 +213,10 @@ class EnvManager:
             t2 = now()
             await self.proxy.resume()
             self.synced = True
-            stale = [tid for tid, (t, _) in self.jobs.items() if tid in running
+            rule = self.freshness = cmd.freshness or self.freshness
+            stale = [tid for tid, (t, _) in self.jobs.items() if tid in running and rule is not None
                      and t.eval_temperature is None                         # (evaluation is never trained)
-                     and not fresh(self._oldest_version(tid), v, self.async_ratio)]
+                     and not rule.fresh(self._oldest_version(tid), v, t.group_id)]
             await self._abort(stale, "aborted_stale", notice=Lost.STALE)
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:

@@ -159,10 +159,12 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
-    # (its version; each prompt's tokens, for the engine's context; the log; the admission policy; recovery)
+    # (its version; each prompt's tokens, for the engine's context; the log; the admission policy; recovery;
+    # the freshness rule)
     ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus, state["version"] if state else 0,
                            lambda p: len(fmt.first(p.prompt)), cfg.rollout.max_model_len, print0,
-                           exts.first("admission", cfg.controller), exts.first("sync_recovery"))
+                           exts.first("admission", cfg.controller), exts.first("sync_recovery"),
+                           exts.first("freshness", cfg.controller))
     if state:      # the run goes on: its stream position, group ids, and prompts in flight run first
         ctrl.restore(state)
     exts.call("on_controller", ctrl, state)            # (the timeline's events, a tracker, evaluation)
@@ -228,8 +230,7 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
             gc.freeze()
             exts.call("on_proxy", proxy, index, t)              # (the timeline's recorder)
             wrappers = exts.call("env_wrapper", index)          # (injected faults)
-            await EnvManager(proxy, buffer, tokenizer, index, rc, async_ratio=cfg.controller.async_ratio,
-                             sync_timeout_s=timeout, probe_ids=probe,
+            await EnvManager(proxy, buffer, tokenizer, index, rc, sync_timeout_s=timeout, probe_ids=probe,
                              recovery=exts.first("engine_recovery", restart_engine),
                              env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
                              if wrappers else None, scorer=exts.first("scorer"),

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from buffer import (ORDERS, Cmd, Command, GroupAssembler, LocalQueues, Lost, ManagerQueues, RolloutTask,
-                    Sample, SampleBuffer, fresh)
+                    Sample, SampleBuffer, Freshness)
 from task import Problem
 
 
@@ -17,7 +17,9 @@ def sample(gid: str, versions: list[int], reward: float = 0.0, failed: bool = Fa
 
 
 def test_fresh_rule():
+    fresh = lambda oldest, version, alpha: Freshness(alpha).fresh(oldest, version)   # noqa: E731
     assert fresh(3, 5, 2) and not fresh(2, 5, 2) and fresh(5, 5, 0) and not fresh(4, 5, 0)
+    assert Freshness.of(3).max_lag == 3 and Freshness.of(rule := Freshness(1)) is rule
 
 
 # one operation of an interleaving: ("put", group, oldest version offset, reward) | ("bump",) | ("take", n)
@@ -76,7 +78,7 @@ def test_sample_order_oldest_or_freshest_first():
     """Groups complete with oldest versions 1, 3, 2 (trainer at version 3, ratio 2): oldest-first
     hands them out in completion order, freshest-first by version, newest first."""
     def taken(order):
-        asm = GroupAssembler(group_size=2, async_ratio=2, order=order)
+        asm = GroupAssembler(group_size=2, freshness=2, order=order)
         for gid, v in (("a", 1), ("b", 3), ("c", 2), ("d", 3)):
             asm.add(sample(gid, [v], 0.0, i=0), 3)
             asm.add(sample(gid, [v], 1.0, i=1), 3)
@@ -88,7 +90,7 @@ def test_sample_order_oldest_or_freshest_first():
 
 
 def test_group_assembly_filter_stale_and_surplus():
-    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm = GroupAssembler(group_size=2, freshness=1)
     asm.add(sample("a", [0], 1.0), 0)
     asm.add(sample("a", [0], 1.0), 0)          # all equal: filtered
     assert asm.groups_filtered == 1 and asm.samples_filtered == 2 and asm.num_ready() == 0
@@ -186,7 +188,7 @@ def test_exchange_is_a_rollout_ranks_tick_in_one_call(transport):
 
 def test_a_sample_given_up_on_kills_its_group():
     """After its last retry fails, a sample never comes: its group must not stay pending forever."""
-    asm = GroupAssembler(group_size=3, async_ratio=1)
+    asm = GroupAssembler(group_size=3, freshness=1)
     asm.add(sample("a", [0], 1.0, i=0), 0)
     s = sample("a", [0], failed=True, i=1)
     s.meta["retrying"] = True
@@ -208,7 +210,7 @@ def test_with_redundancy_a_group_dies_only_when_it_can_no_longer_reach_group_siz
         s = sample(gid, [0], failed=True, i=i)
         s.meta["retrying"] = False
         return s
-    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm = GroupAssembler(group_size=2, freshness=1)
     asm.expect("a", 4)
     asm.add(given_up("a", 0), 0)
     asm.add(given_up("a", 1), 0)                   # 2 of 4 can still arrive: alive
@@ -228,7 +230,7 @@ def test_with_redundancy_a_group_dies_only_when_it_can_no_longer_reach_group_siz
 def test_a_ranks_abort_notice_loses_the_group_for_its_reason():
     """A rank that aborts a task as stale (or a sleep ends it) sends a notice; the group is lost for that
     reason, counted once, and its place can be freed."""
-    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm = GroupAssembler(group_size=2, freshness=1)
     for gid, why in (("a", Lost.STALE), ("b", Lost.INTERRUPTED)):
         s = sample(gid, [0], failed=True)
         s.meta.update(retrying=False, aborted=str(why))
@@ -241,7 +243,7 @@ def test_a_ranks_abort_notice_loses_the_group_for_its_reason():
 def test_assembler_memory_stays_bounded_on_a_long_run():
     """1000 versions of 4 groups each (some filtered, some stale): the ids the assembler remembers
     stop growing, and a straggler of a long-forgotten group is still counted (as stale)."""
-    asm = GroupAssembler(group_size=2, async_ratio=1)
+    asm = GroupAssembler(group_size=2, freshness=1)
     sizes = []
     for v in range(1000):
         for g in range(4):

@@ -49,11 +49,11 @@ def adaptive(cfg=None, reward_s: float = VerifierConfig.reward_timeout_s, **kw) 
     return EnvDeadline.of(cfg or rcfg(), DeadlineConfig(**kw), reward_s)
 
 
-def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, async_ratio=1, deadline=None,
+def make_manager(buf, tok, rank=0, cfg=None, env_wrappers=None, probe_ids=None, freshness=1, deadline=None,
                  scorer=None, **engine_kwargs):
     engine_kwargs = {"t0": STEP, "k": 0.0, **engine_kwargs}
     proxy = LLMProxy(FakeTimedEngine(seed=rank, **engine_kwargs), rank=rank, timeout_s=30.0)
-    return EnvManager(proxy, buf, tok, rank, cfg or rcfg(), async_ratio=async_ratio,
+    return EnvManager(proxy, buf, tok, rank, cfg or rcfg(), freshness=freshness,
                       env_wrappers=env_wrappers, probe_ids=probe_ids, deadline=deadline or adaptive(cfg),
                       scorer=scorer)
 
@@ -261,7 +261,7 @@ def test_reward_excludes_eos_and_equal_reward_group_is_filtered(tok):
     for s in samples:
         assert s.response_ids[-1] == tok.eos_token_id and s.loss_mask == [1, 1] and s.finish_reason == "stop"
     assert sorted(s.reward for s in samples if s.group_id == "mixed") == [0.0, 0.0, 1.0, 1.0]
-    ga = GroupAssembler(group_size=4, async_ratio=1)
+    ga = GroupAssembler(group_size=4, freshness=1)
     for s in samples:
         ga.add(s, version=0)
     assert ga.groups_filtered == 1 and ga.samples_filtered == 4
@@ -284,7 +284,7 @@ def _sample(gid, reward, version=0, failed=False):
 
 
 def test_group_assembler_surplus_failed_and_stale():
-    ga = GroupAssembler(group_size=2, async_ratio=1)
+    ga = GroupAssembler(group_size=2, freshness=1)
     ga.add(_sample("a", 1.0), 0)
     ga.add(_sample("a", 0.0, failed=True), 0)           # failed: counted, not part of the group
     ga.add(_sample("a", 0.0), 0)                        # completes "a"
@@ -520,7 +520,7 @@ async def acks_until(buf, phase, version=None, timeout=100):
 def test_sync_aborts_stale_work_and_acks(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), async_ratio=1)
+        m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), freshness=1)
         run = asyncio.create_task(m.run())
         await buf.put_tasks([add_task("old", "g0", target_len=1000)])
         await asyncio.sleep(10 * STEP)
@@ -674,7 +674,7 @@ def test_free_slots_take_tasks_during_a_slow_receive_and_their_tokens_are_the_ne
 
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, async_ratio=0, load_s=10.0, length_sampler=lambda rng: 5,
+        m = make_manager(buf, tok, freshness=0, load_s=10.0, length_sampler=lambda rng: 5,
                          env_wrappers=Watched)
         proxies.append(m.proxy)
         receiving = watch_receive(m)
@@ -700,7 +700,7 @@ def test_tasks_queued_with_the_sync_that_wakes_a_slept_engine_are_not_stale(tok)
     already), but they generate after its resume: at async ratio 0 none is aborted as stale."""
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
-        m = make_manager(buf, tok, async_ratio=0, length_sampler=lambda rng: 5)
+        m = make_manager(buf, tok, freshness=0, length_sampler=lambda rng: 5)
         run = asyncio.create_task(m.run())
         await acks_until(buf, Phase.READY)
         await buf.send_command(0, Command(Cmd.SLEEP))

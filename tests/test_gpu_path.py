@@ -113,7 +113,7 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
     async def main():
         buf = SampleBuffer(LocalQueues(1), "test")
         proxy = LLMProxy(FakeTimedEngine(t0=0.1, k=0.0, length_sampler=lambda rng: 5), rank=0, timeout_s=30)
-        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(max_tokens=8, max_model_len=2000), async_ratio=0)
+        m = EnvManager(proxy, buf, tok, 0, RolloutConfig(max_tokens=8, max_model_len=2000), freshness=0)
         ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0,
                                                 redundant=0, filter_groups=False),
                                buf, iter(lambda: Problem("1+1=", "2"), None), 1)

@@ -1,6 +1,7 @@
 """The core's seams, each plugged in from outside the core by the README's "Fork it" code (executed as
 written there) and run: a loss, an advantage estimator, an environment, a weight transport, an admission
-policy. A snippet that no longer plugs in or no longer does what the README says fails here."""
+policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says fails
+here."""
 
 import asyncio
 import dataclasses
@@ -31,7 +32,7 @@ def fork_it_blocks() -> dict[str, str]:
     section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     out = {}
-    for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "TRANSPORTS", "Admission"):
+    for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "TRANSPORTS", "Admission", "Freshness"):
         hits = [b for b in blocks if key in b]
         assert len(hits) == 1, f"README.md's Fork it: {len(hits)} blocks name {key}, expected one"
         out[key] = hits[0]
@@ -174,3 +175,29 @@ def test_an_admission_policy_is_one_file(plug, monkeypatch):
 
     simulate(cfg, setup=setup, observe=lambda ctrl, step: staleness.append(step.info["staleness_max"]))
     assert staleness[:n] == [0] * n and max(staleness[n:]) > 0, staleness
+
+
+def test_a_freshness_rule_is_one_file(plug):
+    """The README's --max-async-ratio: its flag parses, its Extension hands the controller its rule, and in a
+    simulated run from --async-ratio 0 (the trainer waits for rollout every step) the bound grows a version
+    a step up to the flag's value; no trained sample lags more than the bound of its step."""
+    mod = plug("Freshness")
+    assert "adaptive_ratio" in config.EXTENSIONS
+    from train import Config
+    cfg = config.parse_cli(Config, ["--max-async-ratio", "3"])
+    ext = mod.AdaptiveRatio(cfg, cfg.ext["adaptive_ratio"])
+    assert mod.AdaptiveRatio.wanted(cfg.ext["adaptive_ratio"])
+    from tools.sim import SimConfig, simulate
+    sim_cfg = SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=2, steps=6, warmup=1,
+                        async_ratio=0, redundant=0, filter_groups=False)
+    bounds, staleness = [], []
+
+    def setup(ctrl):
+        ctrl.freshness = ext.freshness(ctrl.cfg)
+
+    def observe(ctrl, step):
+        bounds.append(ctrl.freshness.max_lag)
+        staleness.append(step.info["staleness_max"])
+    simulate(sim_cfg, setup=setup, observe=observe)
+    assert bounds == [1, 2, 3, 3, 3, 3], bounds
+    assert all(s <= b for s, b in zip(staleness, [0] + bounds)) and max(staleness) > 0, staleness

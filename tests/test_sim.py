@@ -293,3 +293,32 @@ def test_a_resumed_run_continues_the_one_it_resumes():
         [f"q{i}" for i in range(drawn)]                                     # none skipped
     assert len(trained1 + trained2) == len(set(trained1 + trained2))       # none trained twice
     assert all(row["staleness_max"] <= cfg.async_ratio for row in r2["rows"])
+
+
+def test_the_freshness_rule_travels_with_sync_and_a_step_that_drops_many_stale_samples_warns_once():
+    """A rule stricter than its max_lag admits for (max_lag 2, but only samples of the trainer's own version
+    are fresh): the assembler drops what fails it, every SYNC carries it to the rollout ranks, which abort
+    their running work that fails it (tokens thrown away; none under the async ratio's own rule at these
+    settings), and the controller warns once, naming the rule and the flags."""
+    from buffer import Freshness
+
+    class OnlyCurrent(Freshness):
+        def fresh(self, oldest_version, version, group_id=""):
+            return oldest_version >= version
+
+    def run(rule):
+        logs = []
+
+        def setup(ctrl):
+            ctrl.log = logs.append
+            if rule is not None:
+                ctrl.freshness = rule
+        r = sim.simulate(replace(TINY, async_ratio=2, steps=6), setup=setup)
+        return r, logs
+    strict, logs = run(OnlyCurrent(2))
+    default, quiet = run(None)
+    assert strict["rows"][-1]["tokens_aborted"] > 0 == default["rows"][-1]["tokens_aborted"]
+    assert sum(row["samples_dropped_stale"] for row in strict["rows"]) > 0
+    [warning] = [x for x in logs if "dropped as stale" in x]
+    assert "OnlyCurrent (max lag 2 versions; --async-ratio)" in warning and "--batch-groups" in warning
+    assert not [x for x in quiet if "dropped as stale" in x]

@@ -62,7 +62,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)     # in sync_weights' thread
     rcfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=8, max_model_len=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, async_ratio=ccfg.async_ratio)
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg)
                 for r, p in enumerate(proxies)]
 
     async def train(batch, advantages, version):       # in a thread: the event loop keeps serving rollout

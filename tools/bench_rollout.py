@@ -114,7 +114,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
     proxy.events = RankEvents(0)
     cfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=args.max_len,
                         max_model_len=args.max_len + 64, stream_interval=interval)
-    manager = EnvManager(proxy, buffer, tokenizer, 0, cfg, async_ratio=1_000_000)
+    manager = EnvManager(proxy, buffer, tokenizer, 0, cfg, freshness=1_000_000)
     gc.freeze()         # as train.py's rollout rank after its start-up
     run = asyncio.ensure_future(manager.run())
 

@@ -495,7 +495,7 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
             return LockstepEnv(env, barrier) if barrier else env
 
         proxies.append(proxy)
-        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg, async_ratio=cfg.async_ratio,
+        managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg,
                                    sync_timeout_s=cfg.timeout_s, env_wrappers=wrap,
                                    deadline=EnvDeadline.of(rcfg, DeadlineConfig(),
                                                            VerifierConfig().reward_timeout_s)))

@@ -86,7 +86,7 @@ async def calibrate(proxies, sender, weights, vocab: int, args) -> dict:
     N_SWEEP x PROMPT_LENS with the run's response lengths; then weight syncs (suspend -> broadcast into
     both engines and load -> resume), one broadcast to both engines as in a run."""
     from tools import bench
-    from weight_sync import push
+    from tools.local import push
     rows = []
     for plen in PROMPT_LENS:
         for n in N_SWEEP:
@@ -137,7 +137,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
                 await asyncio.sleep(0.005)
     send = (lambda g: sender.send(g, weights, meta)) if sender else modelled_send
     rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, max_tokens=8, max_model_len=124)
-    managers = [EnvManager(p, buffer, tokenizer, r, rcfg, async_ratio=alpha) for r, p in enumerate(proxies)]
+    managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
     loop = asyncio.get_running_loop()
 
     async def train(batch, advantages, version):     # training modelled as a sleep

@@ -82,8 +82,7 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
                            problem_stream(None, seed, make=task.make_problem), 1, version=version)
     group, meta = sender.spec(0, 1), weight_meta(trainer.named_weights())
     send = lambda g: sender.send(g, trainer.iter_full_state(), meta)   # in sync_weights' thread
-    manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(max_tokens=8, max_model_len=128),
-                         async_ratio=ratio)
+    manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(max_tokens=8, max_model_len=128))
 
     async def train(batch, advantages, version):     # in a thread: rollout goes on meanwhile
         return await asyncio.to_thread(trainer.train_step, batch, advantages, version), None
