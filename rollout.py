@@ -24,6 +24,8 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 import asyncio
 import dataclasses
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import task
@@ -51,7 +53,8 @@ class RolloutConfig:
                                           "trajectory, seconds; with the adaptive deadline on "
                                           "(--env-timeout-factor > 0, ext/deadlines.py): its ceiling")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
-    reward: str = opt("", "verifier module:function (problem, response) -> float in [0, 1]; default: the "
+    reward: str = opt("", "verifier module:function (problem, response) -> a finite float (a penalty may be "
+                          "negative); default: the "
                           "task's")
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
                              "float16")
@@ -91,7 +94,7 @@ class RolloutConfig:
 
 
 class SingleTurnEnv:
-    """One step: the prompt, one answer, the verifier reward in [0, 1], done."""
+    """One step: the prompt, one answer, the verifier's reward, done."""
 
     def __init__(self, problem: task.Problem, reward_fn=None):
         self.problem = problem
@@ -232,6 +235,15 @@ class EnvFailure(Exception):
         self.timeout = timeout
 
 
+def finite_reward(reward, where: str) -> float:
+    """A reward as the env or verifier gave it, any finite number (a penalty may be negative: it is never
+    clipped; a bool is 0 or 1); NaN, infinity or a non-number fails the trajectory (EnvFailure), naming where
+    it came from."""
+    if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise EnvFailure(f"{where} gave reward {reward!r}: not a finite number")
+    return float(reward)
+
+
 class Aborted(Exception):
     """The engine request was aborted by someone else (the manager's own aborts cancel the task
     first): the trajectory ends quietly, no sample."""
@@ -354,7 +366,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
             traj.add(ids, c.logprobs, c.versions)
         text = fmt.decode(ids)             # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
-        traj.reward += r
+        traj.reward += finite_reward(r, f"{where} step {turn} (task {task.task_id})")
         traj.num_turns += 1
         if done:
             traj.finish_reason = c.finish_reason
@@ -365,7 +377,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
             break                  # no turn left, or no room for the observation and one more action token
         traj.add(obs_ids)
     return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs,
-                  traj.loss_mask, traj.versions, min(1.0, max(0.0, traj.reward)),
+                  traj.loss_mask, traj.versions, traj.reward,
                   finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
                   meta={**(meta or {}), "eval": task.eval_temperature is not None})

@@ -8,7 +8,7 @@ character-level model (tiny_model.py); difficulty is the digits per operand (dra
     reward(problem, response)   # 1.0 for an exact answer, else 0.0: the paper's RLVR setting
 
 Real models pass `--data PATH` (JSONL or parquet rows, scored with math-verify) or `--reward
-module:function`, `function(problem: Problem, response: str) -> float in [0, 1]`. A problem's `kind`
+module:function`, `function(problem: Problem, response: str) -> float` (any finite number). A problem's `kind`
 names its verifier (VERIFIERS: "add", "math"; ext/verifiers.py adds reasoning-gym's "rg:NAME" tasks and
 the worker processes that score with a timeout that really interrupts).
 

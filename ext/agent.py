@@ -68,7 +68,7 @@ from buffer import RolloutTask, Sample
 from config import Extension, extension, opt
 from proxy import Completion, Sampling, now
 from rollout import (ENVS, RANK_STATS, Aborted, EnvFailure, FixedDeadline, PromptFormat, RolloutConfig,
-                     Trajectory)
+                     Trajectory, finite_reward)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 ENDED_KEPT = 4096           # keys of ended trajectories remembered, to say "ended" rather than "unknown"
@@ -78,7 +78,7 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 @dataclass
 class AgentConfig:
     agent: str = opt("", "an OpenAI-client agent as the env: module:function or path/file.py:function, "
-                         "async (client, model, problem: dict) -> reward in [0, 1] (ext/agent.py)")
+                         "async (client, model, problem: dict) -> a finite reward (ext/agent.py)")
     agent_port: int = opt(0, "--agent: each rollout rank's endpoint port (127.0.0.1); 0 = a free one")
 
 
@@ -586,7 +586,8 @@ async def drive(proxy, fmt, cfg, task, traj, tag, meta, deadline, play) -> Sampl
     if not traj.num_turns:
         raise EnvFailure(f"{where} run (task {task.task_id}) returned without calling the model")
     return Sample(task.task_id, task.group_id, traj.prompt_ids, traj.response_ids, traj.logprobs,
-                  traj.loss_mask, traj.versions, min(1.0, max(0.0, reward)), finish_reason=traj.finish_reason,
+                  traj.loss_mask, traj.versions, finite_reward(reward, f"{where} run (task {task.task_id})"),
+                  finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
                   meta={**(meta or {}), "eval": task.eval_temperature is not None, "restarts": turns.restarts,
                         "tokens_dropped": turns.tokens_dropped})

@@ -1,6 +1,6 @@
 """The core's seams, each plugged in from outside the core by the README's "Fork it" code (executed as
-written there) and run: a loss, an advantage estimator, an environment, a weight transport, an admission
-policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says fails
+written there) and run: a loss, an advantage estimator, an environment, a reward, a weight transport, an
+admission policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says fails
 here."""
 
 import asyncio
@@ -32,7 +32,7 @@ def fork_it_blocks() -> dict[str, str]:
     section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     out = {}
-    for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "TRANSPORTS", "Admission", "Freshness"):
+    for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "--reward", "TRANSPORTS", "Admission", "Freshness"):
         hits = [b for b in blocks if key in b]
         assert len(hits) == 1, f"README.md's Fork it: {len(hits)} blocks name {key}, expected one"
         out[key] = hits[0]
@@ -201,3 +201,48 @@ def test_a_freshness_rule_is_one_file(plug):
     simulate(sim_cfg, setup=setup, observe=observe)
     assert bounds == [1, 2, 3, 3, 3, 3], bounds
     assert all(s <= b for s, b in zip(staleness, [0] + bounds)) and max(staleness) > 0, staleness
+
+
+def test_a_negative_reward_reaches_the_advantages(plug):
+    """The README's --reward penalty:overlong: a long wrong answer's penalty stays in the sample (no clip to
+    [0, 1]) and reaches its group's advantages through the env, the trajectory and WholeBatch; a reward of
+    NaN fails the sample, naming the env."""
+    from buffer import RolloutTask
+    from proxy import LLMProxy
+    from rollout import PromptFormat, RolloutConfig, inline_reward, run_trajectory
+    from tiny_model import build_tokenizer
+    from tools.fake_engine import FakeTimedEngine
+    mod, tok = plug("--reward"), build_tokenizer()
+    problem = Problem("1+1=", "2")
+    cfg = RolloutConfig(max_tokens=8, max_model_len=64, max_retries=0)
+    fmt = PromptFormat(tok)
+
+    async def sample(reply: str, reward_fn):
+        engine = FakeTimedEngine(t0=0.0, k=0.0, respond=lambda ids: tok.encode(reply) + [tok.eos_token_id])
+        proxy, failed = LLMProxy(engine), []
+
+        async def on_failure(s):
+            failed.append(s)
+        s = await run_trajectory(proxy, lambda: rollout.ENVS[""](problem, 0, inline_reward(reward_fn)), fmt,
+                                 cfg, RolloutTask("t0.0", "g0", problem), on_failure=on_failure)
+        proxy.shutdown()
+        return s, failed
+
+    async def main():
+        right, _ = await sample("2", mod.overlong)
+        long, _ = await sample("3333333", mod.overlong)
+        got = []
+
+        async def train(batch, advantages, version):
+            got.extend(advantages)
+            return {}, None
+        backend = WholeBatch(train, 2)
+        backend.begin(0)
+        backend.add([right, long])
+        await backend.finish()
+        nan, failed = await sample("2", lambda problem, response: float("nan"))
+        return right.reward, long.reward, got, nan, failed
+    right, long, advantages, nan, failed = asyncio.run(main())
+    assert (right, long) == (1.0, -0.75)
+    assert advantages[0] > 0 > advantages[1]
+    assert nan is None and "env 'single-turn' step 0 (task t0.0) gave reward nan" in failed[0].meta["error"]
