@@ -138,7 +138,7 @@ class LLMProxy:
     async def start_vllm(cls, model_dir: str, rank: int = 0, timeout_s: float = 60.0,
                          startup_timeout_s: float | None = None, **engine_kwargs) -> "LLMProxy":
         """The engine's start waits at most startup_timeout_s (None: max(timeout_s, 300))."""
-        from vllm_engine import VLLMEngine     # (it imports this module: Sampling)
+        from vllm_engine import VLLMEngine     # (here: torch and vLLM only where an engine starts)
         engine = await VLLMEngine.start_async(model_dir, startup_timeout_s or max(timeout_s, 300),
                                               f"rollout rank {rank}", **engine_kwargs)
         return cls(engine, rank=rank, timeout_s=timeout_s)

@@ -21,8 +21,6 @@ from typing import AsyncIterator
 
 import torch
 
-from proxy import Sampling
-
 
 USER_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ    # the user's own engine core binding
 
@@ -171,13 +169,14 @@ class VLLMEngine:
         """The engine core process is gone (vLLM saw it die) or its output loop has failed."""
         return self.llm is not None and self.llm.errored
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
+    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling,
                      cache_salt: str | None = None
                      ) -> AsyncIterator[tuple[list[int], list[float], str | None, list | None]]:
         """(token ids, logprobs, finish reason or None, spans or None) per output; the last output's
         spans are [(version, start, end)] over the request's tokens: the version set_version gave the
         weights that sampled them (None: the engine's initial weights, never labelled). The stream ends
-        after the last output: closed earlier, vLLM aborts the request."""
+        after the last output: closed earlier, vLLM aborts the request. sampling: a proxy.Sampling, read
+        field by field and not imported (proxy.py imports this module: no circle), as the fake engine does."""
         # (imported from the submodules: `from vllm import X` costs an import_module per call)
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind, SamplingParams

@@ -38,9 +38,9 @@ import torch
 
 from buffer import Cmd, Command, Phase
 from config import Extension, extension, opt
+from ext import memplan
+from ext.memplan import BUFFERS       # bucket buffers per sender (there: the memory plan counts them)
 from weight_sync import TRANSPORTS, GroupSpec, Meta, meta_bytes, pack, plan_buckets
-
-BUFFERS = 2               # bucket buffers per sender: one filled while the worker copies the other
 
 
 def keys(store, spec: GroupSpec, engine: int):
@@ -313,7 +313,6 @@ def engine_memory_share(cfg, model_dir: str, who: str) -> float:
     as a share of the GPU."""
     from transformers import AutoConfig
 
-    from ext import memplan
     free, total = torch.cuda.mem_get_info()
     fixed = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.85))
     plan = memplan.make_plan(AutoConfig.from_pretrained(model_dir), fixed, gpu=True, gpu_gib=total / 2**30)

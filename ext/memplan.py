@@ -26,6 +26,9 @@ from config import Extension, extension, opt
 GiB = 1 << 30
 ASSUMED_GPU_GIB = 80.0        # a GPU's memory when none is here to ask (H100 / A100 80 GB)
 LOGIT_COPIES = 3              # [chunk, V] float32 blocks alive at once in the head (bench_trainer logprobs)
+# the ipc transport's bucket buffers per sender (ext/colocate.py's IpcSender): one filled while the worker
+# copies the other. Here, not there: the plan counts them and colocate.py imports this module (no circle)
+BUFFERS = 2
 
 
 def param_counts(hf_config, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> dict:
@@ -124,9 +127,8 @@ def colocated_headroom(trainer: dict, bucket_bytes: int) -> float:
     """--colocate: what the trainer rank on an engine's GPU adds after the engine has started (it builds
     its model first) and holds while the engine is awake: gradients and AdamW moments (kept between
     steps), the weights FSDP gathered, a sync's (the plan's "weight sync": the ipc buffers at the largest
-    bucket and the weight in hand; a plan without it: weight_ipc.BUFFERS buckets of bucket_bytes), and a
-    margin. Activations are not in it: the engine sleeps while the trainer trains."""
-    from ext.colocate import BUFFERS
+    bucket and the weight in hand; a plan without it: BUFFERS buckets of bucket_bytes), and a margin.
+    Activations are not in it: the engine sleeps while the trainer trains."""
     kept = ("gradients", "AdamW moments", "gathered weights")
     return (sum(trainer.get(k, 0.0) for k in kept) + trainer.get("weight sync", BUFFERS * bucket_bytes)
             + COLOCATE_MARGIN)
@@ -167,7 +169,6 @@ def make_plan(hf_config, cfg, gpu: bool, model: str = "", gpu_gib: float | None 
     trainer = trainer_bytes(counts, hf_config, cfg.train_gpus, tc.precision == "bf16", tokens, context,
                             tc.grad_checkpointing == "on", tc.logits_chunk, tc.kl_coef > 0, lora)
     if colocate:      # held while the engine on the same GPU is awake
-        from ext.colocate import BUFFERS
         trainer["weight sync"] = sync_bytes(counts, dtype, cfg.bucket_mb << 20, BUFFERS)
     share = rc.gpu_memory_utilization or 0.85
     if gpu and colocate and not rc.gpu_memory_utilization:   # as ext/colocate.py picks it
