@@ -11,8 +11,8 @@ Completion carries the token ids, the behaviour logprob and the policy version o
 
 Suspend "keep": in-flight requests stay in the engine and continue under the new weights; "abort":
 they end, and are resubmitted after resume as prompt + tokens so far (partial rollout). VLLMEngine
-(vllm_engine.py) and FakeTimedEngine (tools/fake_engine.py) share one backend interface, so every rule
-here is the same code in tests, in the simulator and on a GPU cluster.
+(vllm_engine.py) and FakeTimedEngine (tools/fake_engine.py) implement one backend interface (Engine), so
+every rule here is the same code in tests, in the simulator and on a GPU cluster.
 
 A token's version is the one the engine labelled it with when it sampled it (update_weights labels
 each load: set_version; a request's last output carries its tokens' spans per version), never the
@@ -29,8 +29,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable
-
+from typing import AsyncIterator, Iterable, Protocol, runtime_checkable
 
 
 def now() -> float:
@@ -91,11 +90,63 @@ class Completion:
 
 
 # ---------------------------------------------------------------------------------------------
+# the engine interface: what the proxy drives
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation backend behind the proxy: vllm_engine.VLLMEngine (real vLLM, the default) and
+    tools/fake_engine.FakeTimedEngine (timed, for the unit tests and the simulator) implement it, and a new
+    backend is one class with these methods. Optionally a `dead` property: True once the engine's process
+    is gone (the proxy's watchdog asks it every second; without it only silence is noticed)."""
+
+    def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
+               cache_salt: str | None = None
+               ) -> AsyncIterator[tuple[list[int], list[float], str | None, list | None]]:
+        """Generate: per output (new token ids, their logprobs, None, None); the last output carries the
+        finish reason ("stop", "length", "abort") and the spans [(version, start, end)] of the request's
+        tokens by the version that sampled them (None: weights never labelled). Closing it early aborts the
+        request. Requests of the same cache_salt may share prefix-cache blocks, others never."""
+        ...
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End these requests: their streams end with finish reason "abort"."""
+
+    async def pause(self, mode: str) -> None:
+        """Schedule nothing until resume(): "keep" holds the running requests (they go on after it), "abort"
+        ends them."""
+
+    async def resume(self) -> None:
+        """Schedule again after pause()."""
+
+    async def sleep(self) -> None:
+        """Release the engine's memory for training on the same GPU (--colocate); wake() brings it back."""
+
+    async def wake(self) -> None:
+        """Take the memory back after sleep()."""
+
+    async def set_version(self, version: int) -> None:
+        """Label the tokens sampled from now on with this policy version (the spans of stream())."""
+
+    async def receive_weights(self, spec, first_rank: int, meta) -> list[dict] | None:
+        """Receive new weights the way spec names (weight_sync.GroupSpec; None: none to receive), as ranks
+        first_rank.. of its group, and load them; meta: their (name, shape, dtype). Returns each worker's
+        timings ({"total_s", "wait_s"}) or None."""
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """The logprob of each token after the first given the ones before it, at temperature 1 (the probe
+        that checks the weights arrived)."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes; idempotent."""
+
+
+# ---------------------------------------------------------------------------------------------
 # the proxy
 
 
 class LLMProxy:
-    def __init__(self, engine, rank: int = 0, timeout_s: float = 60.0):
+    def __init__(self, engine: Engine, rank: int = 0, timeout_s: float = 60.0):
         self.engine = engine
         self.rank = rank
         self.timeout_s = timeout_s          # an engine silent this long while running = dead

@@ -17,6 +17,30 @@ def make_proxy(**engine_kwargs) -> LLMProxy:
 WEIGHTS = [("w", torch.zeros(4))]
 
 
+@pytest.mark.parametrize("backend", ["vllm_engine:VLLMEngine", "tools.fake_engine:FakeTimedEngine"])
+def test_every_backend_implements_the_engine_interface(backend):
+    """proxy.Engine, written down: each backend has every method, async where the interface's is, taking
+    the interface's parameters by the same names (the proxy calls some by keyword); its stream is an async
+    generator."""
+    import importlib
+    import inspect
+
+    from proxy import Engine
+    module, name = backend.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    for meth, proto in inspect.getmembers(Engine, inspect.isfunction):
+        if meth.startswith("_"):
+            continue
+        impl = getattr(cls, meth, None)
+        assert impl is not None, f"{name} lacks {meth}"
+        want = list(inspect.signature(proto).parameters)
+        assert list(inspect.signature(impl).parameters)[:len(want)] == want, (name, meth)
+        if meth == "stream":
+            assert inspect.isasyncgenfunction(impl), f"{name}.stream is not an async generator"
+        else:
+            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(proto), (name, meth)
+
+
 def test_generate_returns_tokens_logprobs_versions():
     async def main():
         p = make_proxy(length_sampler=lambda rng: 5)
