@@ -205,9 +205,10 @@ class AsyncController:
         return self.groups_admitted - self._groups_lost() - self.taken_before_step
 
     def _next_problem(self) -> Problem:
-        """The next prompt to admit: one to run again first, else the stream's next that fits the
-        engine's context (single-turn: the prompt's tokens are known here; a multi-turn env's first
-        observation is not). A prompt that cannot fit is refused, counted and logged, not retried."""
+        """The next prompt to admit: one to run again first, else the stream's next that the engine can
+        take (single-turn: the prompt's tokens are known here; a multi-turn env's first observation is
+        not): one that does not fit its context, or holds a character its tokenizer has no token for, is
+        refused, counted and logged, not retried."""
         if self.readmit:
             return self.readmit.popleft()
         if (own := self.admission.next_problem()) is not None:
@@ -217,16 +218,19 @@ class AsyncController:
             self.groups_drawn += 1
             if not (self.prompt_len and self.max_model_len and not self.cfg.env):
                 return problem
-            n = self.prompt_len(problem)
-            if n < self.max_model_len:
-                return problem
+            try:
+                n = self.prompt_len(problem)
+                if n < self.max_model_len:
+                    return problem
+                why = f"a prompt of {n} tokens (the engine's context is {self.max_model_len})"
+            except ValueError as e:                  # (rollout.PromptFormat: an unknown character)
+                why = str(e)
             self.prompts_rejected += 1
             # the 1st, 2nd, 4th, 8th...
             if self.log and self.prompts_rejected & (self.prompts_rejected - 1) == 0:
-                self.log(f"refused a prompt of {n} tokens (the engine's context is {self.max_model_len}; "
-                         f"{self.prompts_rejected} refused so far): {problem.prompt[:120]!r}")
-        raise ValueError(f"{self.buffer.who}: 10000 prompts in a row are longer than the engine's context "
-                         f"({self.max_model_len} tokens); raise --max-model-len or shorten the data")
+                self.log(f"refused {why}; {self.prompts_rejected} refused so far: {problem.prompt[:120]!r}")
+        raise ValueError(f"{self.buffer.who}: 10000 prompts in a row refused (the last: {why}); raise "
+                         f"--max-model-len or fix the data")
 
     async def admit(self, at_least: int = 0) -> int:
         """Admit as many groups as admission allows (at least `at_least`: Admission.begin_step's)."""

@@ -171,6 +171,9 @@ class PromptFormat:
         self._decode = getattr(tokenizer, "_decode", tokenizer.decode)
         self._first: dict[str, list[int]] = {}    # prompt text -> its tokens (first())
         self.eos_ids = model_eos_ids(tokenizer) if eos_ids is None else set(eos_ids)
+        # a tokenizer with an unknown token (the tiny model's character vocabulary) turns a character it has
+        # no token for into that token without a word: checked (known()) wherever env text is encoded
+        self.unk = getattr(tokenizer, "unk_token_id", None)
         self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
         if self.chat:
             x, y, o = "\x01X\x01", "\x01Y\x01", "\x01O\x01"
@@ -192,23 +195,32 @@ class PromptFormat:
         if ids is None:
             if len(self._first) >= FIRST_CACHE:
                 self._first.clear()
-            ids = self._first[text] = (
+            ids = self._first[text] = self.known(text, (
                 self.tok.encode(text) if not self.chat else
                 list(self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                  add_generation_prompt=True, return_dict=False)))
+                                                  add_generation_prompt=True, return_dict=False))))
         return list(ids)
+
+    def known(self, text: str, ids: list[int]) -> list[int]:
+        """ids, the tokens of text; a ValueError naming the characters the tokenizer has no token for."""
+        if self.unk is None or self.unk not in ids or self.tok.unk_token in text:
+            return ids
+        missing = sorted({c for c in text if self.unk in self.tok.encode(c, add_special_tokens=False)})
+        raise ValueError(f"the tokenizer has no token for {''.join(missing)!r} (it would read as "
+                         f"{self.tok.unk_token!r}) in {text[:80]!r}")
 
     def next(self, text: str, last_token: int | None) -> list[int]:
         """The tokens after the model's turn, whose last token was last_token (None: none, or a
         turn cut by the budget), up to the next generation prompt."""
         if not self.chat:
-            return self.tok.encode(text, add_special_tokens=False)
+            return self.known(text, self.tok.encode(text, add_special_tokens=False))
         close = self.close_turn
         if last_token in self.eos_ids:
             eos_text = self.tok.decode([last_token])
             if close.startswith(eos_text):
                 close = close[len(eos_text):]                         # the model wrote this EOS itself
-        return self.tok.encode(close + self.user_pre + text + self.user_post, add_special_tokens=False)
+        return self.known(text, self.tok.encode(close + self.user_pre + text + self.user_post,
+                                                add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         # (the tokenizer's own _decode: decode() first converts the list element by element in Python)
@@ -233,6 +245,15 @@ class EnvFailure(Exception):
     def __init__(self, msg: str, timeout: bool = False):
         super().__init__(msg)
         self.timeout = timeout
+
+
+def encoded(encode, where: str, text: str, *args) -> list[int]:
+    """The env's text as tokens (PromptFormat's first or next); one the tokenizer cannot read fails the
+    trajectory (EnvFailure), naming the env and the characters."""
+    try:
+        return encode(text, *args)
+    except ValueError as e:
+        raise EnvFailure(f"{where}: {e}") from None
 
 
 def finite_reward(reward, where: str) -> float:
@@ -338,7 +359,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
     if hasattr(env, "run"):        # an env that drives its own turns (ext/agent.py): it makes the Sample
         return await env.run(proxy, fmt, cfg, task, traj, tag, meta, deadline)
     obs = await env_call(env.reset(env_seed(task.group_id)), "reset")
-    traj.prompt_ids = fmt.first(obs)
+    traj.prompt_ids = encoded(fmt.first, where, obs)
     cap = cfg.max_model_len
     if len(traj.prompt_ids) >= cap:
         raise EnvFailure(f"rollout rank {proxy.rank}: task {task.task_id}: prompt of {len(traj.prompt_ids)} "
@@ -371,7 +392,8 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
         if done:
             traj.finish_reason = c.finish_reason
             break
-        obs_ids = fmt.next(obs, c.token_ids[-1] if c.finish_reason == "stop" and c.token_ids else None)
+        obs_ids = encoded(fmt.next, where, obs, c.token_ids[-1] if c.finish_reason == "stop" and c.token_ids
+                          else None)
         if (turn == cfg.max_turns - 1
                 or len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids) + 1 > cap):
             break                  # no turn left, or no room for the observation and one more action token

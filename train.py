@@ -206,7 +206,6 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
         engine.update(args)
 
     async def restart_engine():   # after an engine failure (ext/recovery.py): a fresh one, same settings
-        print(f"{who}: the engine failed; starting a new one", flush=True)
         return await VLLMEngine.start_async(model_dir, startup, who, **engine)
 
     async def main():

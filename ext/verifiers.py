@@ -57,8 +57,13 @@ VERIFIERS["rg"] = reasoning_gym_reward
 # verifiers in worker processes, with a timeout that interrupts
 
 
+READY = 0              # the call id of a worker's first message: started, the verifier loaded
+WORKER_START_S = 120.0  # a worker's start-up (a spawned interpreter, the verifier's imports) may take this
+
+
 def _reward_worker(conn, spec: str):
     fn = load_reward(spec)
+    conn.send((READY, None))
     while True:
         call_id, problem, response = conn.recv()
         try:
@@ -83,7 +88,9 @@ class RewardPool:
     `abandoned`). The pipe is watched by the event loop itself (add_reader), not by a thread: the
     answer of a call is never read by a thread that a cancelled call left behind, and scoring
     goes on when the default thread pool is busy. Nothing here blocks the loop: a killed worker
-    is reaped by multiprocessing when the next one starts, or at shutdown."""
+    is reaped by multiprocessing when the next one starts, or at shutdown. A worker's start-up (spawning
+    an interpreter, importing the verifier: seconds on a busy machine) is not its first call's time: the
+    call's deadline starts once the worker says it is ready (within WORKER_START_S, else an error)."""
 
     def __init__(self, workers: int, spec: str = "", timeout_s: float = 10.0, timeout_factor: float = 0.0,
                  timeout_min_s: float = 0.0):
@@ -95,6 +102,7 @@ class RewardPool:
         self.idle: asyncio.Queue | None = None      # made on first use, on the caller's event loop
         self.workers = workers
         self.procs = set()                          # every live worker process, idle or busy
+        self.started = set()                        # those that said they are ready
         self.drains = set()                         # drain tasks of cancelled calls
         self.next_id = 0
         self.timeouts = self.errors = self.abandoned = 0
@@ -112,7 +120,25 @@ class RewardPool:
         proc.kill()
         conn.close()
         self.procs.discard(proc)
+        self.started.discard(proc)
         self.idle.put_nowait(self._start())
+
+    async def _ready(self, worker):
+        """Wait until a new worker has started (its READY message); a worker that dies or outlasts
+        WORKER_START_S starting is replaced and the call fails, naming the verifier."""
+        proc, conn = worker
+        if proc in self.started:
+            return
+        try:
+            await self._answer(conn, READY, asyncio.get_running_loop().time() + WORKER_START_S)
+        except asyncio.CancelledError:
+            self.idle.put_nowait(worker)            # (still starting: the next call waits for it)
+            raise
+        except (asyncio.TimeoutError, EOFError, OSError):
+            self._replace(worker)
+            raise RuntimeError(f"a verifier worker ({self.spec or 'the task verifier'}) died or did not "
+                               f"start within {WORKER_START_S:.0f}s") from None
+        self.started.add(proc)
 
     async def _answer(self, conn, call_id: int, deadline: float):
         """The answer to call_id, read when the pipe is readable (an answer is one small write).
@@ -145,6 +171,7 @@ class RewardPool:
             for _ in range(self.workers):
                 self.idle.put_nowait(self._start())
         worker = await self.idle.get()
+        await self._ready(worker)
         self.next_id += 1
         t0 = asyncio.get_running_loop().time()
         call_id, deadline = self.next_id, t0 + self.deadline.current_s
@@ -173,6 +200,7 @@ class RewardPool:
         for proc in self.procs:
             proc.kill()
         self.procs.clear()
+        self.started.clear()
 
     def stats(self) -> dict:
         """For the acks: calls that scored 0 for the timeout, and the deadline now."""

@@ -18,6 +18,27 @@ from ext.verifiers import RewardPool, reasoning_gym_maker
 from task import Problem, load_dataset, load_reward
 
 
+def test_a_verifier_workers_start_up_is_not_its_first_calls_time(tmp_path, monkeypatch):
+    """A verifier that takes 2 s to import, under a 1 s timeout: the worker's start-up (spawn, imports) is
+    waited for apart, so its first call scores and no timeout is counted; a verifier that cannot start
+    fails the call naming it (before, both were timeouts that scored 0, again and again)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(2.0)\n"
+                                             "def exact(problem, response):\n"
+                                             "    return float(response == problem.answer)\n")
+    (tmp_path / "broken_import.py").write_text("raise ImportError('no such thing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))      # (the spawned workers get this process's sys.path)
+
+    async def main(spec):
+        pool = RewardPool(1, spec, timeout_s=1.0)
+        try:
+            return [await pool.score(Problem("p", "2"), r) for r in ("2", "3")], pool.timeouts
+        finally:
+            pool.shutdown()
+    assert asyncio.run(main("slow_import:exact")) == ([1.0, 0.0], 0)
+    with pytest.raises(RuntimeError, match="verifier worker \\(broken_import:f\\) died or did not start"):
+        asyncio.run(main("broken_import:f"))
+
+
 def test_reward_pool_kills_a_verifier_that_hangs_and_goes_on():
     async def main():
         pool = RewardPool(1, "reward_fixtures:slow_or_exact", timeout_s=1.5)
@@ -130,6 +151,53 @@ def test_prompts_that_cannot_fit_the_context_are_refused_at_admission_and_counte
     assert {t.problem.prompt for t in tasks} == {"short", "ok"}          # 50 and 80 characters > 20 tokens
     assert c.prompts_rejected == 2 and c.groups_drawn == 4
     assert len(logged) == 2 and "refused a prompt of 50 tokens" in logged[0] and "context is 20" in logged[0]
+
+
+def test_a_prompt_with_a_character_the_tokenizer_lacks_is_refused_naming_it():
+    """The tiny tokenizer has a token for each character it knows and reads any other as <pad>: a prompt
+    with one is refused at admission, logged with the character, and the stream goes on; an env whose
+    observation holds one fails its trajectory (a failed sample naming the env and the character)."""
+    from rollout import PromptFormat
+    from tiny_model import build_tokenizer
+    fmt = PromptFormat(build_tokenizer())
+    with pytest.raises(ValueError, match="no token for 'é'"):
+        fmt.first("1+1=é")
+    assert fmt.first("1+1=") == build_tokenizer().encode("1+1=")
+
+    async def main():
+        logged = []
+        problems = iter([Problem("2+2=é", "4"), Problem("1+1=", "2")] * 4)
+        c = AsyncController(ControllerConfig(batch_groups=1, group_size=2, async_ratio=0, redundant=0),
+                            SampleBuffer(LocalQueues(1), "test", timeout_s=5), problems, 1,
+                            prompt_len=lambda p: len(fmt.first(p.prompt)), max_model_len=64,
+                            log=logged.append)
+        await c.admit()
+        return c, logged, [t.problem.prompt for t in c.buffer.t.get_many_nowait("tasks", 10)]
+    c, logged, prompts = asyncio.run(main())
+    assert prompts == ["1+1=", "1+1="] and c.prompts_rejected == 1
+    assert "no token for 'é'" in logged[0] and "'2+2=é'" in logged[0]
+
+    class Accented:                  # a multi-turn env whose first observation the tokenizer cannot read
+        async def reset(self, seed):
+            return "café?"
+
+    async def trajectory():
+        from buffer import RolloutTask
+        from proxy import LLMProxy
+        from rollout import RolloutConfig, run_trajectory
+        from tools.fake_engine import FakeTimedEngine
+        failed = []
+
+        async def on_failure(s):
+            failed.append(s)
+        proxy = LLMProxy(FakeTimedEngine(t0=0.0, k=0.0))
+        cfg = RolloutConfig(max_tokens=4, max_model_len=64, max_retries=0)
+        task = RolloutTask("t0.0", "g0", Problem("", ""), env="accented")
+        s = await run_trajectory(proxy, Accented, fmt, cfg, task, on_failure=on_failure)
+        proxy.shutdown()
+        return s, failed
+    s, failed = asyncio.run(trajectory())
+    assert s is None and "env 'accented': the tokenizer has no token for 'é'" in failed[0].meta["error"]
 
 
 def test_heartbeat_while_a_step_collects():
