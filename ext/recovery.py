@@ -78,7 +78,7 @@ class EngineRecovery:
                 mgr._give_up(t, f"engine lost: {failure}", engine_lost=True)
             self.lost, self.failure = [], None
             await mgr._flush()
-            print(f"rollout rank {mgr.rank}: {failure}; starting a new engine", flush=True)   # (the why)
+            print(f"{failure}; starting a new engine", flush=True)    # (it names the rank and the why)
             mgr.proxy.replace_engine(await self.restart_engine())
         finally:
             self.busy = False
