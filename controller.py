@@ -181,6 +181,7 @@ class AsyncController:
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
         self.taken_before_step = 0             # groups_taken when this step's collect began
+        self.before: dict = {}                 # the assembler's counters then (its report subtracts them)
         self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
         self._warned_stale = False             # so is the warning of a step that dropped many stale samples
 
@@ -260,65 +261,88 @@ class AsyncController:
         """Admit and collect until B complete groups are in; returns (their samples, the step's info).
         Each group of the batch is handed to on_group(samples) (a TrainBackend's add): at the end, or with
         `stream` as soon as it is complete, in the order it completed (--sample-order oldest's)."""
-        cfg, asm = self.cfg, self.asm
-        t0, wall0 = now(), time.time()
-        before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
-                      failed=asm.samples_failed, surplus=asm.samples_surplus, completed=asm.groups_completed)
-        self.step_rewards = []
-        committed: list[list] = []                     # groups already handed to on_group
-        self.taken_before_step = self.groups_taken
+        cfg = self.cfg
+        self._begin_step()                                 # the step's clock and counters
         await self.admit(at_least=self.admission.begin_step(self))
-        ready, t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
-        t_beat = now()
+        committed: list[list] = []                         # groups already handed to on_group
         while True:
             if stream:
                 self._commit(committed, on_group)
-            n_ready = len(committed) + asm.num_ready()
-            enough = n_ready >= cfg.batch_groups
-            if enough and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
-                break
-            if n_ready > ready:
-                ready, t_progress = n_ready, now()
-            if self.log and now() - t_beat >= cfg.heartbeat_s:
-                t_beat = now()
-                self.log(runlog.collect_line(self, before, now() - t0))
-            waited = now() - t_progress
-            if waited > cfg.timeout_s:
-                raise TimeoutError(runlog.stall_report(self, before))
-            if self.recovery is not None and now() - self._t_recovery >= 1.0:
-                self._t_recovery = now()
-                await self.recovery.serve(self)          # a replaced engine waits for weights
-            try:
-                s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
-            except TimeoutError:
-                continue                                 # a heartbeat, a replaced engine, or the stall report
-            if self.taps and await self._tapped(s):
-                continue                                 # (evaluation: scored, never trained)
-            gid = s.group_id
-            closed_before, alive_before = len(asm.closed), gid not in asm.dead
-            asm.add(s, self.version)
-            self.failed_received += s.failed and not s.notice
-            if not s.failed:
-                self.step_rewards.append(s.reward)
-            if alive_before and gid in asm.dead:
-                await self._abort_groups([gid])          # lost (given up, or stale): stop its other samples
-                if gid in self.problem_of and (s.meta.get("engine_lost")
-                                               or asm.lost[gid] is Lost.INTERRUPTED):
-                    self.readmit.append(self.problem_of[gid])   # not the prompt's fault: run it again
-            elif gid in self.extra and len(asm.closed) > closed_before:
-                await self._abort_groups([gid])          # redundant samples: the rest is surplus
-            if gid in asm.dead or (gid in asm.closed and not asm.is_ready(gid)):
-                self._forget(gid)                        # lost or filtered: no longer a prompt in flight
-            n_ready = len(committed) + asm.num_ready()
-            if n_ready < cfg.batch_groups and self._filtering_spins(before, n_ready):
-                break                                    # --on-max-gen-batches train: what it has
-            # lost groups free admission capacity: queue mode refills at once; batch mode only
-            # starts another round once the whole round is in (its barrier), and only when filtering
-            # left it short of a batch
+            n_ready = len(committed) + self.asm.num_ready()
+            if n_ready >= cfg.batch_groups and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
+                break                                      # B complete, fresh groups (batch mode: all in)
+            s = await self._next_sample(n_ready)           # (None: a second passed without one)
+            if s is None:
+                continue
+            await self._add(s)                             # into its group; a lost group's work stops
+            n_ready = len(committed) + self.asm.num_ready()
+            if n_ready < cfg.batch_groups and self._filtering_spins(n_ready):
+                break                                      # --on-max-gen-batches train: what it has
+            # lost groups free admission capacity: queue mode refills at once; batch mode only starts
+            # another round once the whole round is in (its barrier), and only when filtering left it
+            # short of a batch
             if cfg.rollout_mode == "queue" or (n_ready < cfg.batch_groups and self._all_admitted_done()):
                 await self.admit()
         self._commit(committed, on_group)
-        groups = committed
+        return await self._end_step(committed)
+
+    def _begin_step(self):
+        """A step's collect begins: its clocks, and the counters its report subtracts (`before`)."""
+        asm = self.asm
+        self._t0, self._wall0 = now(), time.time()
+        self.before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
+                           failed=asm.samples_failed, surplus=asm.samples_surplus,
+                           completed=asm.groups_completed)
+        self.step_rewards = []
+        self.taken_before_step = self.groups_taken
+        self._ready, self._t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
+        self._t_beat = now()
+
+    async def _next_sample(self, n_ready: int):
+        """The next sample, or None after waiting up to a second for one. Meanwhile, the watch over the
+        step: the heartbeat line every --heartbeat-s, the stall report after --timeout-s without a new
+        ready group, a replaced engine's resync (ext/recovery.py). A sample a tap takes (ext/eval.py's
+        evaluation: scored, never trained) is not returned."""
+        cfg = self.cfg
+        if n_ready > self._ready:
+            self._ready, self._t_progress = n_ready, now()
+        if self.log and now() - self._t_beat >= cfg.heartbeat_s:
+            self._t_beat = now()
+            self.log(runlog.collect_line(self, self.before, now() - self._t0))
+        waited = now() - self._t_progress
+        if waited > cfg.timeout_s:
+            raise TimeoutError(runlog.stall_report(self, self.before))
+        if self.recovery is not None and now() - self._t_recovery >= 1.0:
+            self._t_recovery = now()
+            await self.recovery.serve(self)                # a replaced engine waits for weights
+        try:
+            s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
+        except TimeoutError:
+            return None
+        return None if self.taps and await self._tapped(s) else s
+
+    async def _add(self, s):
+        """A sample into its group (the assembler). A group it leaves lost (given up, or stale) has its
+        other samples aborted, and is admitted again when that was not the prompt's fault (its engine
+        died, --colocate's sleep); a group it completes under redundancy has the rest aborted (surplus)."""
+        asm, gid = self.asm, s.group_id
+        closed_before, alive_before = len(asm.closed), gid not in asm.dead
+        asm.add(s, self.version)
+        self.failed_received += s.failed and not s.notice
+        if not s.failed:
+            self.step_rewards.append(s.reward)
+        if alive_before and gid in asm.dead:
+            await self._abort_groups([gid])                # lost: stop its other samples
+            if gid in self.problem_of and (s.meta.get("engine_lost") or asm.lost[gid] is Lost.INTERRUPTED):
+                self.readmit.append(self.problem_of[gid])
+        elif gid in self.extra and len(asm.closed) > closed_before:
+            await self._abort_groups([gid])                # redundant samples: the rest is surplus
+        if gid in asm.dead or (gid in asm.closed and not asm.is_ready(gid)):
+            self._forget(gid)                              # lost or filtered: no longer a prompt in flight
+
+    async def _end_step(self, groups: list[list]) -> tuple[list, dict]:
+        """The batch is complete: its samples and the step's info (rewards, staleness, what was dropped)."""
+        asm, before = self.asm, self.before
         if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
             raise RuntimeError(runlog.spin_report(self, before, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
@@ -332,7 +356,7 @@ class AsyncController:
         policy = await self.admission.end_step(self)
         staleness = [self.version - s.oldest_version for s in batch]
         info = {
-            "time_wait_rollout": now() - t0,
+            "time_wait_rollout": now() - self._t0,
             "reward_mean": sum(self.step_rewards) / max(len(self.step_rewards), 1),
             "reward_trained_mean": sum(s.reward for s in batch) / len(batch),
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
@@ -347,7 +371,7 @@ class AsyncController:
             "turns_mean": sum(s.num_turns for s in batch) / len(batch),     # model turns per sample
             **policy,
         }
-        self._collect_span = [wall0, time.time()]
+        self._collect_span = [self._wall0, time.time()]
         self._warn_stale(info, len(self.step_rewards))
         self.freshness.end_step(self, info)
         return batch, info
@@ -364,13 +388,14 @@ class AsyncController:
                      f"{self.cfg.redundant}): the work admitted outlives the rule; raise --async-ratio or "
                      f"admit less")
 
-    def _filtering_spins(self, before: dict, n_ready: int) -> bool:
+    def _filtering_spins(self, n_ready: int) -> bool:
         """Dynamic filtering that keeps resampling: warn once a run when most of a step's complete groups
         were filtered; once the groups completed in this step (filtered or kept; ready groups carried over
         from earlier steps are not this step's work) reach --max-gen-batches batches, fail with a clear
         error (--on-max-gen-batches error) or end the step with what is ready (train: True)."""
-        cfg, filtered = self.cfg, self.asm.groups_filtered - before["filtered"]
-        completed = self.asm.groups_completed - before["completed"]
+        cfg, before = self.cfg, self.before
+        filtered, completed = (self.asm.groups_filtered - before["filtered"],
+                               self.asm.groups_completed - before["completed"])
         if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
                 and filtered >= 4 * n_ready):
             self._warned_filtering = True

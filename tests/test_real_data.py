@@ -89,7 +89,9 @@ def test_a_cancelled_reward_call_never_hands_its_answer_to_the_next_call(workers
 def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
     """60 concurrent calls on 3 workers, 1 thread in the default pool: random verifier times, a third
     cancelled at random moments, a few past the timeout. Every call that completes gets its own value
-    (its index), or 0.0 exactly when it timed out; afterwards every worker still answers its own calls."""
+    (its index) or 0.0 for a timeout, never another call's: the slow ones time out, and a fast one only
+    when the machine is loaded enough to hold it past the timeout (counted as one); afterwards every worker
+    still answers its own calls."""
     rng = random.Random(0)
     timeout_s = 0.6
     plan = [(i, 2.0 if i % 20 == 7 else rng.uniform(0, 0.15), rng.random() < 0.33, rng.uniform(0, 1.5))
@@ -116,8 +118,9 @@ def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
                  if not isinstance(got, BaseException)]
     assert len(completed) >= 30
     for i, secs, got in completed:
-        assert got == (0.0 if secs > timeout_s else float(i)), (i, secs, got)
-    assert 1 <= timeouts <= 3 and sum(secs > timeout_s for _, secs, _ in completed) == timeouts
+        assert got == 0.0 if secs > timeout_s else got in (0.0, float(i)), (i, secs, got)
+    slow = sum(secs > timeout_s for _, secs, _ in completed)
+    assert 1 <= slow <= sum(got == 0.0 and i != 0 for i, _, got in completed) <= timeouts   # (call 0's is 0)
     assert after == [100.0 + k for k in range(6)]
 
 
