@@ -15,7 +15,9 @@ built: every setting has one declaration, one default and one validator.
 
 An optional capability is one file in ext/ holding an Extension subclass, registered with @extension: its
 flags (Config) and the hooks it fills in. The core calls the hooks (train.py asks Extensions for them),
-and never looks at an extension's flags. Which hooks exist and why: DESIGN.md#seams.
+and never looks at an extension's flags. Which hooks exist and why: DESIGN.md#seams. The same mechanism,
+registry(), gives a loss its own flags (losses.LossConfig's hparams: each entry of LOSSES that declares
+some): whatever a registry holds when the parser is built brings its dataclass's fields as flags.
 """
 
 import argparse
@@ -36,19 +38,32 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check(cfg, at_least: dict = {}, above: dict = {}, one_of: dict = {}):
+def check(cfg, at_least: dict = {}, above: dict = {}, one_of: dict = {}, at_most: dict = {},
+          below: dict = {}):
     """A config's validation, naming the flag: each field of at_least >= its value, of above > its value,
-    of one_of among its values."""
-    for name, low in at_least.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"{flag(name)} must be >= {low}, got {getattr(cfg, name)!r}")
-    for name, low in above.items():
-        if not getattr(cfg, name) > low:
-            raise ValueError(f"{flag(name)} must be > {low}, got {getattr(cfg, name)!r}")
-    for name, allowed in one_of.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{flag(name)} must be one of {', '.join(map(str, allowed))}, "
-                             f"got {getattr(cfg, name)!r}")
+    of at_most <= its value, of below < its value, of one_of among its values (NaN, or a value that does not
+    compare, fails)."""
+    tests = ([(n, lambda v, x=x: v >= x, f">= {x}") for n, x in at_least.items()]
+             + [(n, lambda v, x=x: v > x, f"> {x}") for n, x in above.items()]
+             + [(n, lambda v, x=x: v <= x, f"<= {x}") for n, x in at_most.items()]
+             + [(n, lambda v, x=x: v < x, f"< {x}") for n, x in below.items()]
+             + [(n, lambda v, x=x: v in x, f"one of {', '.join(map(str, x))}") for n, x in one_of.items()])
+    for name, ok, what in tests:
+        value = getattr(cfg, name)
+        try:
+            good = ok(value)
+        except TypeError:
+            good = False
+        if not good:
+            raise ValueError(f"{flag(name)} must be {what}, got {value!r}")
+
+
+def registry(classes):
+    """A field holding one config per entry of a registry, {name: its config}; classes() -> {name: config
+    class}, read when the flags are built, so whatever registered by then brings its flags (extensions(),
+    losses.LossConfig's hparams)."""
+    return dataclasses.field(default_factory=lambda: {n: c() for n, c in classes().items()},
+                             metadata={"registry": classes})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,8 +82,7 @@ def extension(cls):
 
 def extensions():
     """The entry point's field holding every registered extension's flags: {name: its Config}."""
-    return dataclasses.field(default_factory=lambda: {n: c.Config() for n, c in EXTENSIONS.items()
-                                                      if c.Config}, metadata={"ext": True})
+    return registry(lambda: {n: c.Config for n, c in EXTENSIONS.items() if c.Config})
 
 
 class Extension:
@@ -247,8 +261,8 @@ def leaf_fields(cls, owner: str = "") -> list[tuple[str, dataclasses.Field]]:
     for f in dataclasses.fields(cls):
         if f.metadata.get("part"):
             sub = leaf_fields(f.default_factory, f"{owner}{f.name}.")
-        elif f.metadata.get("ext"):
-            sub = [x for n, c in EXTENSIONS.items() if c.Config for x in leaf_fields(c.Config, f"ext.{n}.")]
+        elif classes := f.metadata.get("registry"):
+            sub = [x for n, c in classes().items() for x in leaf_fields(c, f"{owner}{f.name}.{n}.")]
         else:
             sub = [(owner, f)]
         for path, g in sub:
@@ -266,8 +280,8 @@ def _build(cls, values: dict):
     for f in dataclasses.fields(cls):
         if f.metadata.get("part"):
             kw[f.name] = _build(f.default_factory, values)
-        elif f.metadata.get("ext"):
-            kw[f.name] = {n: _build(c.Config, values) for n, c in EXTENSIONS.items() if c.Config}
+        elif classes := f.metadata.get("registry"):
+            kw[f.name] = {n: _build(c, values) for n, c in classes().items()}
         else:
             kw[f.name] = values[f.name]
     return cls(**kw)

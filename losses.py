@@ -19,6 +19,12 @@ Tokens come from a behaviour policy mu (`old_logp`), maybe several versions behi
 gspo, as its paper, the former for the others). Metrics: clip_frac, ratio_mean,
 ratio_max, is_weight_mean, behav_capped_frac, approx_kl (k3 estimate of KL(mu || pi)).
 
+A loss declares its own hyperparameters beside it, @loss(hparams=TisParams): a dataclass whose fields are
+flags (LossConfig.hparams) and keywords of compute_policy_loss; Terms.hp holds them and PPO's shared
+clip_low, clip_high, dual_clip. Per-token values reach a loss by name (fields=, Terms.fields): each
+token's policy version and lag (versions behind the trainer), and each entry of Sample.token_fields.
+ADV_SHAPERS turn the per-sample advantage into per-token ones from those (the trainer, per micro-batch).
+
 Rollout correction, on top of any loss (--is-correction; rollout_correction(), the verl/slime style):
 rho = pi_prox / mu per token, or per sequence (the product over its tokens), with pi_prox the trainer
 before this update; the loss then takes pi_prox as its own reference instead of mu, and each token's
@@ -40,12 +46,12 @@ Design notes: DESIGN.md#lossespy
 """
 
 import dataclasses
-import math
+import types
 from dataclasses import dataclass
 
 import torch
 
-from config import flag, opt
+from config import check, opt, registry
 
 CORRECTIONS = ("none", "tis", "mis", "icepop")
 LEVELS = ("token", "sequence")
@@ -106,7 +112,27 @@ def estimate_advantages(rewards: torch.Tensor, group_size: int, estimator: str =
 # --loss picks one. Extras (all optional, [B, T]): "clipped" (bool, for clip_frac), "is_w" (the stop-gradient
 # weight it applied, for is_weight_mean), "capped" (bool, tokens it dropped). A loss marked needs_prox gets
 # the trainer's own logprobs before the update (prox); own_correction: it applies --is-correction's weight
-# itself (corr_w) and keeps mu as `old` under --recompute-old-logprobs.
+# itself (corr_w) and keeps mu as `old` under --recompute-old-logprobs. hparams: the dataclass of its own
+# hyperparameters (opt fields: each one a flag, and a keyword of compute_policy_loss; it checks them in
+# __post_init__), declared beside it; Terms.hp holds them and the shared ones (PPO's clip_low, clip_high,
+# dual_clip: LossConfig's).
+
+class Fields(dict):
+    """Per-token values by name, each [B, T], 0 where masked (Terms.fields, and a trainer micro-batch's
+    "fields"). A batch with no token to learn from (the FSDP padding, model.EMPTY) carries none of the
+    samples' names, so any name reads as zeros there; elsewhere a missing name is a KeyError naming it."""
+
+    def __init__(self, values: dict, mask: torch.Tensor):
+        super().__init__(values)
+        self.mask = mask
+
+    def __missing__(self, name):
+        if (self.mask != 0).any():
+            have = ", ".join(self) or "none"
+            raise KeyError(f"no per-token field {name!r} in this batch (it has {have}): a sample's come from "
+                           f"its token_fields; lag needs the trainer's version")
+        return torch.zeros(self.mask.shape, device=self.mask.device)
+
 
 @dataclass
 class Terms:
@@ -118,13 +144,16 @@ class Terms:
     A: torch.Tensor             # advantages, per token
     m: torch.Tensor             # the mask, bool
     corr_w: torch.Tensor | None  # --is-correction's weight (None: no correction)
-    hp: dict                    # the hyperparameters (compute_policy_loss's keywords)
+    hp: dict                    # the shared hyperparameters and the loss's own (compute_policy_loss's)
+    fields: Fields              # per-token values by name: version, lag, and every Sample.token_fields entry
+    version = property(lambda t: t.fields["version"])   # the policy version that sampled each token
+    lag = property(lambda t: t.fields["lag"])   # versions each is behind the trainer (train_step's version)
 
 
-def loss(needs_prox: bool = False, own_correction: bool = False):
-    """Mark a loss function with what it needs (see above)."""
+def loss(needs_prox: bool = False, own_correction: bool = False, hparams: type | None = None):
+    """Mark a loss function (or an advantage shaper: hparams alone) with what it needs (see above)."""
     def mark(fn):
-        fn.needs_prox, fn.own_correction = needs_prox, own_correction
+        fn.needs_prox, fn.own_correction, fn.hparams = needs_prox, own_correction, hparams
         return fn
     return mark
 
@@ -140,33 +169,68 @@ def ppo(t: Terms):
     return loss_tok, {"clipped": clipped}
 
 
-@loss(needs_prox=True, own_correction=True)
+@dataclass
+class DecoupledParams:
+    behav_weight_cap: float = opt(0.0, "decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); "
+                                       "0 = off")
+
+    def __post_init__(self):
+        check(self, at_least=dict(behav_weight_cap=0))
+
+
+@loss(needs_prox=True, own_correction=True, hparams=DecoupledParams)
 def decoupled_ppo(t: Terms):
     is_w = (t.corr_w if t.corr_w is not None                                        # the correction's, or
             else (t.prox - t.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp())   # w = pi_prox / mu
     r_prox = (t.lp - t.prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()        # r' = pi / pi_prox
     inner, clipped = _ppo_clip(r_prox, t.A, t.hp["clip_low"], t.hp["clip_high"], t.hp["dual_clip"])
     capped = torch.zeros_like(t.m)
-    if t.hp["behav_weight_cap"] is not None:
+    if t.hp["behav_weight_cap"]:
         capped = t.m & (is_w > t.hp["behav_weight_cap"])
         is_w = torch.where(capped, 0.0, is_w)
     return is_w * inner, {"clipped": clipped, "is_w": is_w, "capped": capped}
 
 
-@loss()
+@dataclass
+class TisParams:
+    tis_cap: float = opt(2.0, "tis: importance weight cap (Yao et al. 2025)")
+
+    def __post_init__(self):
+        check(self, above=dict(tis_cap=0))
+
+
+@loss(hparams=TisParams)
 def tis(t: Terms):
     is_w = t.r.detach().clamp(max=t.hp["tis_cap"])
     return -is_w * t.A * t.lp, {"clipped": t.r > t.hp["tis_cap"], "is_w": is_w}
 
 
-@loss()
+@dataclass
+class CispoParams:
+    cispo_low: float = opt(1.0, "cispo: IS weight >= 1 - this (1 = no lower bound, MiniMax-M1)")
+    cispo_high: float = opt(0.28, "cispo: IS weight <= 1 + this (MiniMax-M1 does not publish it)")
+
+    def __post_init__(self):
+        check(self, at_least=dict(cispo_low=0, cispo_high=0))
+
+
+@loss(hparams=CispoParams)
 def cispo(t: Terms):
     lo, hi = 1.0 - t.hp["cispo_low"], 1.0 + t.hp["cispo_high"]
     is_w = t.r.detach().clamp(lo, hi)
     return -is_w * t.A * t.lp, {"clipped": (t.r < lo) | (t.r > hi), "is_w": is_w}
 
 
-@loss()
+@dataclass
+class ToprParams:
+    topr_pos_weight: float = opt(1.0, "topr: weight of A > 0 tokens (Le Roux et al. 2025)")
+    topr_neg_weight: float = opt(1.0, "topr: weight of A <= 0 tokens (Le Roux et al. 2025)")
+
+    def __post_init__(self):
+        check(self, at_least=dict(topr_pos_weight=0, topr_neg_weight=0))
+
+
+@loss(hparams=ToprParams)
 def topr(t: Terms):
     pos = t.A > 0                                                    # [B, T]
     is_w = torch.where(pos, 1.0, t.r.detach().clamp(max=1.0))        # clip(r, 0, 1); r > 0 already
@@ -174,12 +238,21 @@ def topr(t: Terms):
     return -scale * is_w * t.A * t.lp, {"clipped": ~pos & (t.r > 1.0), "is_w": is_w}
 
 
-@loss()
+@dataclass
+class GspoParams:
+    gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
+    gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
+
+    def __post_init__(self):
+        check(self, at_least=dict(gspo_clip_low=0, gspo_clip_high=0), at_most=dict(gspo_clip_low=1))
+
+
+@loss(hparams=GspoParams)
 def gspo(t: Terms):
     n = t.m.sum(-1).clamp(min=1).to(t.lp.dtype)                      # [B] unmasked tokens per sequence
     log_s = ((t.lp - t.old).sum(-1) / n).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
     A_seq = t.A.sum(-1) / n                                          # [B] masked token-mean advantage
-    loss_seq, clipped_seq = _ppo_clip(log_s.exp(), A_seq, t.hp["clip_low"], t.hp["clip_high"], None)  # [B]
+    loss_seq, clipped_seq = _ppo_clip(log_s.exp(), A_seq, t.hp["gspo_clip_low"], t.hp["gspo_clip_high"], None)
     # each token carries its sequence's loss
     return loss_seq[:, None].expand_as(t.lp), {"clipped": clipped_seq[:, None].expand_as(t.m)}
 
@@ -188,25 +261,26 @@ LOSSES = {"reinforce": reinforce, "ppo": ppo, "decoupled_ppo": decoupled_ppo, "t
           "topr": topr, "gspo": gspo}
 VARIANTS = tuple(LOSSES)     # (the registry's names, in --loss's help order; more may be registered)
 
+# --- per-token advantages: ADV_SHAPERS, name -> shaper (t, params) -> advantages [B] or [B, T]. The trainer
+# calls every shaper, in order, on each micro-batch t before its loss (train_step and the streamed GradStream
+# alike: both go through Trainer.micro): t["adv"] (the sample's advantage [B], or an earlier shaper's [B, T]),
+# t["old_logp"], t["mask"] and t["fields"] ([B, T]). params: its hyperparameters (marked @loss(hparams=...),
+# flags like a loss's: LossConfig.hparams[name]), or None; a shaper that is off returns t["adv"] as it is.
+ADV_SHAPERS: dict = {}
+
+SHARED = ("clip_low", "clip_high", "dual_clip", "is_correction", "is_level", "is_cap", "icepop_low",
+          "icepop_high")      # LossConfig's fields that are compute_policy_loss's keywords as they are
+
 
 @dataclass
 class LossConfig:
-    """--loss and compute_policy_loss's hyperparameters, one field (one --flag) each, named as its keyword
-    (except: loss_agg is agg; gspo_clip_* replace clip_* under --loss gspo; 0 = off means None).
-    A new hyperparameter: a field here, its keyword and check below."""
+    """--loss and compute_policy_loss's shared hyperparameters, one field (one --flag) each, named as its
+    keyword (except: loss_agg is agg; 0 = off). A loss's (or an advantage shaper's) own hyperparameters are
+    its @loss(hparams=...) dataclass's fields, flags too: hparams[name]."""
     loss: str = opt("ppo", "the policy loss: " + " | ".join(VARIANTS) + " (losses.LOSSES, formulas)")
     clip_low: float = opt(0.2, "ppo, decoupled_ppo: ratio >= 1 - this (PPO's epsilon)")
     clip_high: float = opt(0.28, "ppo, decoupled_ppo: ratio <= 1 + this (DAPO's clip-higher)")
     dual_clip: float = opt(0.0, "ppo, decoupled_ppo: dual clip c for A < 0 (Ye et al. 2020: 3); 0 = off")
-    behav_weight_cap: float = opt(0.0, "decoupled_ppo: drop tokens whose pi_prox / mu exceeds this (AReaL); "
-                                       "0 = off")
-    tis_cap: float = opt(2.0, "tis: importance weight cap (Yao et al. 2025)")
-    cispo_low: float = opt(1.0, "cispo: IS weight >= 1 - this (1 = no lower bound, MiniMax-M1)")
-    cispo_high: float = opt(0.28, "cispo: IS weight <= 1 + this (MiniMax-M1 does not publish it)")
-    topr_pos_weight: float = opt(1.0, "topr: weight of A > 0 tokens (Le Roux et al. 2025)")
-    topr_neg_weight: float = opt(1.0, "topr: weight of A <= 0 tokens (Le Roux et al. 2025)")
-    gspo_clip_low: float = opt(3e-4, "gspo: sequence ratio >= 1 - this (Zheng et al. 2025)")
-    gspo_clip_high: float = opt(4e-4, "gspo: sequence ratio <= 1 + this (Zheng et al. 2025)")
     loss_agg: str = opt("auto", "loss aggregation: " + " | ".join(AGG_MODES) + " | auto (each loss's own: "
                                 "seq-mean-token-mean for gspo, as its paper; token-mean for the others)")
     adv_estimator: str = opt("grpo", "advantages from each group's rewards: " + " | ".join(ADV_ESTIMATORS)
@@ -221,24 +295,15 @@ class LossConfig:
     icepop_high: float = opt(5.0, "--is-correction icepop: tokens with ratio above this get no gradient")
     kl_coef: float = opt(0.0, "KL penalty to the initial model (k3, clamped: kl_penalty) times this, "
                               "added to the loss; 0 = off, and no reference model is loaded")
+    hparams: dict = registry(lambda: {n: f.hparams for n, f in (LOSSES | ADV_SHAPERS).items()
+                                      if getattr(f, "hparams", None)})
 
     def __post_init__(self):
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"--adv-estimator {self.adv_estimator!r}: known: {', '.join(ADV_ESTIMATORS)}")
-        if self.loss_agg not in (*AGG_MODES, "auto"):
-            raise ValueError(f"--loss-agg must be one of {', '.join(AGG_MODES)}, auto; got {self.loss_agg!r}")
-        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
-            raise ValueError(f"--kl-coef must be >= 0 (0 = off), got {self.kl_coef}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss {self.loss!r}: must be one of {', '.join(LOSSES)}")
-        for gspo in (False, True):        # check_hparams' message, naming our flag
-            try:
-                check_hparams(**self.loss_kwargs(gspo))
-            except ValueError as e:
-                name, rest = str(e).split(" ", 1)
-                name = ("loss_agg" if name == "agg"
-                        else ("gspo_" + name if gspo and name.startswith("clip") else name))
-                raise ValueError(f"{flag(name)} {rest}" + (" (0 = off)" if "None" in rest else "")) from None
+        check(self, at_least=dict(kl_coef=0), below=dict(kl_coef=float("inf")),
+              one_of=dict(loss_agg=(*AGG_MODES, "auto"), loss=tuple(LOSSES)))
+        check_hparams(**{n: getattr(self, n) for n in SHARED}, agg=self.agg)
 
     @property
     def agg(self) -> str:
@@ -247,16 +312,11 @@ class LossConfig:
             return self.loss_agg
         return "seq-mean-token-mean" if self.loss == "gspo" else "token-mean"
 
-    def loss_kwargs(self, gspo: bool | None = None) -> dict:
-        """compute_policy_loss's keywords for this config's loss (gspo has its own clip range)."""
-        gspo = self.loss == "gspo" if gspo is None else gspo
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)
-              if f.name not in ("loss", "loss_agg", "gspo_clip_low", "gspo_clip_high", "kl_coef",
-                                "adv_estimator")}
-        if gspo:
-            kw.update(clip_low=self.gspo_clip_low, clip_high=self.gspo_clip_high)
-        return {**kw, "agg": self.agg, "dual_clip": self.dual_clip or None,
-                "behav_weight_cap": self.behav_weight_cap or None}
+    def loss_kwargs(self) -> dict:
+        """compute_policy_loss's keywords for this config's loss: the shared ones and the loss's own."""
+        own = self.hparams.get(self.loss)
+        return {**{n: getattr(self, n) for n in SHARED}, "agg": self.agg,
+                **(dataclasses.asdict(own) if own else {})}
 
 
 def compute_policy_loss(
@@ -267,15 +327,10 @@ def compute_policy_loss(
     variant: str,
     *,
     prox_logp: torch.Tensor | None = None,  # [B, T] trainer logprobs before this update (decoupled_ppo)
-    clip_low: float = 0.2,       # PPO family (ppo, decoupled_ppo, gspo): ratio >= 1 - clip_low
-    clip_high: float = 0.2,      # PPO family: ratio <= 1 + clip_high
-    dual_clip: float | None = None,  # ppo, decoupled_ppo: for A < 0 the loss is at most -dual_clip * A
-    tis_cap: float = 2.0,        # tis: IS weight min(r, tis_cap); 2.0 as in Yao et al. 2025
-    cispo_low: float = 1.0,      # cispo: IS weight >= 1 - cispo_low (1.0: no lower bound, as the paper)
-    cispo_high: float = 0.28,    # cispo: IS weight <= 1 + cispo_high (the paper does not publish its value)
-    topr_pos_weight: float = 1.0,  # topr: scale of the A > 0 tokens' loss
-    topr_neg_weight: float = 1.0,  # topr: scale of the A <= 0 tokens' loss
-    behav_weight_cap: float | None = None,  # decoupled_ppo: drop tokens with w = pi_prox / mu above this
+    fields: dict | None = None,  # name -> [B, T] per-token values (Terms.fields: version, lag, token_fields)
+    clip_low: float = 0.2,       # PPO (ppo, decoupled_ppo): ratio >= 1 - clip_low
+    clip_high: float = 0.2,      # PPO: ratio <= 1 + clip_high
+    dual_clip: float | None = None,  # PPO: for A < 0 the loss is at most -dual_clip * A (None or 0: off)
     agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
     is_correction: str = "none",  # rollout correction on top: none | tis | mis | icepop (needs prox_logp)
     is_level: str = "token",     # its ratio per token or per sequence
@@ -283,15 +338,22 @@ def compute_policy_loss(
     icepop_low: float = 0.5,     # icepop: kept inside [icepop_low, icepop_high]
     icepop_high: float = 5.0,
     ref_prox: bool = False,      # the ratio's old policy is pi_prox, not mu (--recompute-old-logprobs)
+    **own,                       # the loss's own hyperparameters (@loss(hparams=...)): tis_cap=1.5, ...; any
+                                 # loss's are accepted (its dataclass checks them when that loss runs)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
     if variant not in LOSSES:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(LOSSES)}")
     fn = LOSSES[variant]
-    check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap, is_correction=is_correction,
-                  is_level=is_level, is_cap=is_cap, icepop_low=icepop_low, icepop_high=icepop_high)
-    _check_shapes(logp, old_logp, advantages, mask, prox_logp)
+    declared = {f.name for g in LOSSES.values() if g.hparams for f in dataclasses.fields(g.hparams)}
+    if unknown := [k for k in own if k not in declared]:
+        raise TypeError(f"compute_policy_loss() got an unexpected keyword argument {unknown[0]!r}")
+    mine = {f.name for f in dataclasses.fields(fn.hparams)} if fn.hparams else ()     # (its dataclass checks)
+    own = dataclasses.asdict(fn.hparams(**{k: v for k, v in own.items() if k in mine})) if fn.hparams else {}
+    check_hparams(clip_low, clip_high, dual_clip, is_correction, is_level, is_cap, icepop_low, icepop_high,
+                  agg)
+    fields = fields or {}
+    _check_shapes(logp, old_logp, advantages, mask, prox_logp, fields)
     correct = is_correction != "none"
     if (fn.needs_prox or correct or ref_prox) and prox_logp is None:
         who = (f"--is-correction {is_correction}" if correct else "ref_prox=True" if ref_prox
@@ -307,6 +369,7 @@ def compute_policy_loss(
     adv = advantages.detach().to(dt)
     A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
     prox = torch.where(m, prox_logp.detach().to(dt), 0.0) if prox_logp is not None else None   # [B, T]
+    per_token = Fields({k: torch.where(m, v.detach().to(dt), 0.0) for k, v in fields.items()}, m)
     mu = old                                                       # [B, T] the engine's, for approx_kl
     corr_w = None
     if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
@@ -317,10 +380,8 @@ def compute_policy_loss(
         old = prox
     log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
     r = log_r.exp()                                                # [B, T] pi / mu
-    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap,
-              cispo_low=cispo_low, cispo_high=cispo_high, topr_pos_weight=topr_pos_weight,
-              topr_neg_weight=topr_neg_weight, behav_weight_cap=behav_weight_cap)
-    loss_tok, extra = fn(Terms(lp, old, prox, r, A, m, corr_w, hp))
+    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, **own)
+    loss_tok, extra = fn(Terms(lp, old, prox, r, A, m, corr_w, hp, per_token))
     clipped = extra.get("clipped", torch.zeros_like(m))            # [B, T] bool, for clip_frac
     is_w = extra.get("is_w", torch.ones_like(r).detach())          # [B, T] stop-grad weight applied
     capped = extra.get("capped", torch.zeros_like(m))              # [B, T] bool, dropped by behav_weight_cap
@@ -397,7 +458,7 @@ def _ppo_clip(ratio, A, clip_low, clip_high, dual_clip):
     clipped_term = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * A
     loss = torch.maximum(unclipped, clipped_term)
     clipped = clipped_term > unclipped
-    if dual_clip is not None:
+    if dual_clip:
         dual = (A < 0) & (loss > -dual_clip * A)                   # bound the loss of A < 0 at -c A
         loss = torch.where(dual, -dual_clip * A, loss)
         clipped = clipped | dual
@@ -424,40 +485,24 @@ def agg_count(mask: torch.Tensor, agg: str) -> int:
     return int(m.sum() if agg == "token-mean" else m.any(-1).sum())
 
 
-def check_hparams(clip_low, clip_high, dual_clip, tis_cap, cispo_low, cispo_high,
-                  topr_pos_weight, topr_neg_weight, agg, behav_weight_cap=None, *, is_correction="none",
-                  is_level="token", is_cap=2.0, icepop_low=0.5, icepop_high=5.0):
-    """Every hyperparameter of compute_policy_loss, checked (ValueError naming the bad one)."""
-    def need(ok, name, value, what):
-        if not ok:
-            raise ValueError(f"{name} must be {what}, got {value!r}")
-
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    need(number(clip_low) and 0 <= clip_low <= 1, "clip_low", clip_low, "in [0, 1]")
-    need(number(clip_high) and clip_high >= 0, "clip_high", clip_high, ">= 0")
-    need(dual_clip is None or (number(dual_clip) and dual_clip > 1), "dual_clip", dual_clip, "None or > 1")
-    need(number(tis_cap) and tis_cap > 0, "tis_cap", tis_cap, "> 0")
-    need(number(cispo_low) and cispo_low >= 0, "cispo_low", cispo_low, ">= 0")
-    need(number(cispo_high) and cispo_high >= 0, "cispo_high", cispo_high, ">= 0")
-    need(number(topr_pos_weight) and topr_pos_weight >= 0, "topr_pos_weight", topr_pos_weight, ">= 0")
-    need(number(topr_neg_weight) and topr_neg_weight >= 0, "topr_neg_weight", topr_neg_weight, ">= 0")
-    need(agg in AGG_MODES, "agg", agg, f"one of {', '.join(AGG_MODES)}")
-    need(behav_weight_cap is None or (number(behav_weight_cap) and behav_weight_cap > 0), "behav_weight_cap",
-         behav_weight_cap, "None or > 0")
-    need(is_correction in CORRECTIONS, "is_correction", is_correction, f"one of {', '.join(CORRECTIONS)}")
-    need(is_level in LEVELS, "is_level", is_level, f"one of {', '.join(LEVELS)}")
-    need(number(is_cap) and is_cap > 1, "is_cap", is_cap, "> 1")
-    need(number(icepop_low) and number(icepop_high) and 0 <= icepop_low < 1 < icepop_high, "icepop_low",
-         (icepop_low, icepop_high), "with icepop_high: 0 <= icepop_low < 1 < icepop_high")
+def check_hparams(clip_low, clip_high, dual_clip, is_correction, is_level, is_cap, icepop_low, icepop_high,
+                  agg):
+    """compute_policy_loss's shared hyperparameters, checked (ValueError naming the flag); a loss's own are
+    checked by its hparams dataclass."""
+    hp = types.SimpleNamespace(**locals(), loss_agg=agg)                  # (as their flags are named)
+    above = dict(is_cap=1, icepop_high=1, **({"dual_clip": 1} if dual_clip else {}))  # dual_clip 0, None: off
+    check(hp, above=above, at_least=dict(clip_low=0, clip_high=0, icepop_low=0), at_most=dict(clip_low=1),
+          below=dict(icepop_low=1),
+          one_of=dict(loss_agg=AGG_MODES, is_correction=CORRECTIONS, is_level=LEVELS))
 
 
-def _check_shapes(logp, old_logp, advantages, mask, prox_logp):
+def _check_shapes(logp, old_logp, advantages, mask, prox_logp, fields):
     if logp.dim() != 2 or not logp.is_floating_point():
         raise ValueError(f"logp must be a floating [B, T] tensor, got {logp.dtype} {tuple(logp.shape)}")
     shape = logp.shape
-    for name, x in (("old_logp", old_logp), ("mask", mask), ("prox_logp", prox_logp)):
+    named = {"old_logp": old_logp, "mask": mask, "prox_logp": prox_logp, **{f"fields[{k!r}]": v
+                                                                             for k, v in fields.items()}}
+    for name, x in named.items():
         if x is not None and x.shape != shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} like logp")
     if advantages.shape not in (shape[:1], shape):

@@ -2,7 +2,7 @@
 
     model, net = build(model_dir, device="cuda:0", group=trainer_group, bf16=True, chunk=1024)
     parts = pack_by_tokens([s.num_tokens for s in samples], budget=16384)   # index lists, longest first
-    t = collate([samples[i] for i in parts[0]], device)                      # right-padded tensors
+    t = collate([samples[i] for i in parts[0]], device, version)  # right-padded tensors; per-token fields
     logp = token_logprobs(net, t["input_ids"], t["attn"], t["mask"])         # [B, T], 0 where unselected
 
 The model: one rank loads it whole. Several (FSDP2): no rank ever holds the whole model: built on the
@@ -34,23 +34,40 @@ from buffer import Sample
 EMPTY = Sample("empty", "empty", [0], [0], [0.0], [0], [], 0.0)
 
 
-def collate(samples, device) -> dict[str, torch.Tensor]:
+def collate(samples, device, version: int | None = None) -> dict:
     """Samples -> right-padded tensors. A response token at absolute position p has its behaviour
-    logprob and loss mask at column p, the same column token_logprobs() gives its logprob."""
+    logprob and loss mask at column p, the same column token_logprobs() gives its logprob. "fields": the
+    per-token values by name, [B, T] float32 on the loss mask's columns too (0 elsewhere): each model
+    token's policy version ("version"), its lag behind the trainer's `version` ("lag", when given), and
+    each entry of Sample.token_fields (one value per model token; every sample of the batch has the same)."""
     width = max(s.num_tokens for s in samples)
     B = len(samples)
     input_ids = torch.zeros(B, width, dtype=torch.long)
     attn = torch.zeros(B, width, dtype=torch.long)
     old_logp = torch.zeros(B, width)
     mask = torch.zeros(B, width)
+    names = sorted({k for s in samples for k in s.token_fields})
+    if {"version", "lag"} & set(names):
+        raise ValueError("Sample.token_fields: 'version' and 'lag' are the core's own per-token fields")
+    fields = {k: torch.zeros(B, width) for k in ("version", *names)}
     for i, s in enumerate(samples):
         n_p, n = len(s.prompt_ids), s.num_tokens
         input_ids[i, :n] = torch.tensor(s.prompt_ids + s.response_ids)
         attn[i, :n] = 1
         old_logp[i, n_p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
         mask[i, n_p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    return {k: v.to(device)
-            for k, v in dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask).items()}
+        cols = [n_p + j for j, x in enumerate(s.loss_mask) if x]          # its model tokens' columns
+        for name, values in fields.items():
+            got = s.versions if name == "version" else s.token_fields.get(name)
+            if got is None or len(got) != len(cols):
+                raise ValueError(f"sample {s.task_id}: per-token field {name!r} " + (
+                    "missing (another sample of its micro-batch has it)" if got is None
+                    else f"has {len(got)} values for its {len(cols)} model tokens"))
+            values[i, cols] = torch.tensor(got, dtype=torch.float32)
+    if version is not None:
+        fields["lag"] = (version - fields["version"]) * mask
+    t = dict(input_ids=input_ids, attn=attn, old_logp=old_logp, mask=mask)
+    return {**{k: v.to(device) for k, v in t.items()}, "fields": {k: v.to(device) for k, v in fields.items()}}
 
 
 def split(items: list, n: int) -> list[list]:

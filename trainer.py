@@ -15,6 +15,9 @@ state and gradient reduce. Log-probs come from model.PolicyNet (the LM head chun
 micro-batches (short ranks run empty ones of weight 0). --kl-coef > 0 adds a KL penalty to a frozen,
 sharded copy of the initial model (a Weights that can switch itself off, LoRA's: the base, adapter off).
 What trains, travels to the engines and is saved is a Weights (the whole model; ext/lora.py: an adapter).
+Each micro-batch (Trainer.micro: whole batches and the streaming trainer's alike) carries its samples'
+per-token fields to the loss (each token's version, its lag behind the trainer, Sample.token_fields), and
+every losses.ADV_SHAPERS entry may turn its per-sample advantages into per-token ones.
 Under FSDP a step's loss is the mean
 over every rank's tokens (or sequences), as on one rank. Simplifications: mini-batches keep their samples
 across epochs; the optimizer state is saved per rank, so a resume needs the same --train-gpus.
@@ -169,7 +172,8 @@ class Trainer:
         """One batch on this rank: ppo_epochs passes over its samples, each pass mini_batches
         optimizer steps. advantages: one per sample (GRPO). version: the policy version these weights
         are (the trainer's, before this batch): samples wholly of that version are on-policy, so their
-        engine/trainer logprob gap is numerical mismatch alone (logp_diff_on_policy), not staleness.
+        engine/trainer logprob gap is numerical mismatch alone (logp_diff_on_policy), not staleness; each
+        token's lag (losses.Terms.lag) is counted from it (None: no lag).
 
         The trainer's logprobs before the first update (`pre`) are computed first, without grad,
         when the loss needs them: decoupled_ppo's proximal policy, frozen for the whole batch (so its
@@ -229,8 +233,8 @@ class Trainer:
         if gap is not None:                                   # trainer logprobs before any update: the gap
             add_gap(gap, t, t.get("pre", logp.detach()))
         loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
-                                             prox_logp=t.get("pre"), ref_prox=cfg.recompute_old_logprobs,
-                                             **cfg.loss_kwargs())
+                                             prox_logp=t.get("pre"), fields=t["fields"],
+                                             ref_prox=cfg.recompute_old_logprobs, **cfg.loss_kwargs())
         if cfg.kl_coef > 0:
             kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.agg)
             loss = loss + cfg.kl_coef * kl
@@ -334,13 +338,18 @@ class Trainer:
         return plan
 
     def micro(self, samples, advantages: list[float], version) -> dict:
-        """A micro-batch's tensors (no samples: one EMPTY row, the FSDP padding), without its weight."""
+        """A micro-batch's tensors (no samples: one EMPTY row, the FSDP padding), without its weight: the
+        per-token fields (losses.Fields; lag behind `version`), and the advantages every losses.ADV_SHAPERS
+        entry made of the samples' own."""
         batch = samples or [EMPTY]
-        t = collate(batch, self.device)
+        t = collate(batch, self.device, version)
+        t["fields"] = losses.Fields(t["fields"], t["mask"])
         t["adv"] = torch.tensor(list(advantages) or [0.0], dtype=torch.float32, device=self.device)
         t["on_policy"] = torch.tensor([version is not None and bool(s.versions)
                                        and all(v == version for v in s.versions) for s in batch],
                                       device=self.device)
+        for name, shape in losses.ADV_SHAPERS.items():
+            t["adv"] = shape(t, self.cfg.hparams.get(name))
         return t
 
     @torch.no_grad()

@@ -11,13 +11,15 @@ import math
 import pytest
 import torch
 
+from config import flag
 from losses import VARIANTS, compute_policy_loss, group_advantages
 
 AGGS = ("token-mean", "seq-mean-token-mean")
 
 # Defaults restated here (not imported) so that a silent change of a default fails a test.
 DEFAULTS = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, tis_cap=2.0, cispo_low=1.0,
-                cispo_high=0.28, topr_pos_weight=1.0, topr_neg_weight=1.0, behav_weight_cap=None)
+                cispo_high=0.28, topr_pos_weight=1.0, topr_neg_weight=1.0, behav_weight_cap=0.0,
+                gspo_clip_low=3e-4, gspo_clip_high=4e-4)
 # Non-default values, to check that each hyperparameter reaches its formula.
 CUSTOM = {
     "reinforce": {},
@@ -26,7 +28,7 @@ CUSTOM = {
     "tis": dict(tis_cap=1.2),
     "cispo": dict(cispo_low=0.2, cispo_high=0.3),
     "topr": dict(topr_pos_weight=0.7, topr_neg_weight=1.6),
-    "gspo": dict(clip_low=0.05, clip_high=0.08),
+    "gspo": dict(gspo_clip_low=0.05, gspo_clip_high=0.08),
 }
 
 
@@ -56,7 +58,7 @@ def ref_token(variant, lp, olp, plp, a, hp):
     if variant == "decoupled_ppo":
         w, rp = math.exp(plp - olp), math.exp(lp - plp)
         loss, d_dr, c = ppo_token(rp, a, hp["clip_low"], hp["clip_high"], hp["dual_clip"])
-        if hp["behav_weight_cap"] is not None and w > hp["behav_weight_cap"]:
+        if hp["behav_weight_cap"] and w > hp["behav_weight_cap"]:
             return 0.0, 0.0, c, 0.0          # AReaL: a token whose behaviour weight is too large is dropped
         return w * loss, w * d_dr * rp, c, w
     if variant == "tis":
@@ -104,7 +106,7 @@ def reference(variant, logp, old, prox, adv, mask, agg, hp):
             n = len(idx)
             s = math.exp(sum(logp[b][t] - old[b][t] for t in idx) / n)
             a = sum(A[b][t] for t in idx) / n
-            l_seq, d_ds, c = ppo_token(s, a, hp["clip_low"], hp["clip_high"], None)
+            l_seq, d_ds, c = ppo_token(s, a, hp["gspo_clip_low"], hp["gspo_clip_high"], None)
             for t in idx:  # every token carries the sequence loss; ds/dlogp_t = s / n
                 loss += W[b][t] * l_seq
                 grad[b][t] = sum(W[b][u] for u in idx) * d_ds * s / n
@@ -123,7 +125,7 @@ def reference(variant, logp, old, prox, adv, mask, agg, hp):
         "ratio_max": max(ratios),
         "is_weight_mean": sum(isw.values()) / len(toks),
         "approx_kl": sum(r - 1 - math.log(r) for r in ratios) / len(toks),
-        "behav_capped_frac": sum(variant == "decoupled_ppo" and hp["behav_weight_cap"] is not None
+        "behav_capped_frac": sum(variant == "decoupled_ppo" and hp["behav_weight_cap"] > 0
                                  and math.exp(prox[b][t] - old[b][t]) > hp["behav_weight_cap"]
                                  for b, t in toks) / len(toks),
     }
@@ -576,11 +578,17 @@ def test_unknown_hyperparameter_is_named():
 @pytest.mark.parametrize("name, value", [
     ("dual_clip", 1.0), ("dual_clip", 0.5), ("clip_low", -0.1), ("clip_low", 1.5),
     ("clip_high", -0.2), ("tis_cap", 0.0), ("cispo_low", -1.0), ("cispo_high", float("nan")),
-    ("topr_pos_weight", -1.0), ("topr_neg_weight", "1"), ("agg", "sum"), ("behav_weight_cap", 0.0),
+    ("topr_pos_weight", -1.0), ("topr_neg_weight", "1"), ("agg", "sum"), ("behav_weight_cap", -1.0),
+    ("gspo_clip_low", 1.5),
 ])
 def test_bad_hyperparameter_values_are_named(name, value):
-    with pytest.raises(ValueError, match=name):
-        compute_policy_loss(*batch_args(), "ppo", **{name: value})
+    """Refused naming the flag: a shared one whichever loss runs, a loss's own (checked by its hparams
+    dataclass) when that loss runs."""
+    owner = {"tis_cap": "tis", "cispo_low": "cispo", "cispo_high": "cispo", "topr_pos_weight": "topr",
+             "topr_neg_weight": "topr", "behav_weight_cap": "decoupled_ppo", "gspo_clip_low": "gspo"}
+    logp, old, adv, mask = batch_args()
+    with pytest.raises(ValueError, match=flag("loss_agg" if name == "agg" else name)):
+        compute_policy_loss(logp, old, adv, mask, owner.get(name, "ppo"), prox_logp=old, **{name: value})
 
 
 def test_shape_mismatches():

@@ -1,10 +1,11 @@
 """The core's seams, each plugged in from outside the core by the README's "Fork it" code (executed as
 written there) and run: a loss, an advantage estimator, an environment, a reward, a weight transport, an
-admission policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says fails
-here."""
+admission policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says
+fails here."""
 
 import asyncio
 import dataclasses
+import math
 import pathlib
 import re
 import shutil
@@ -65,21 +66,29 @@ def in_losses() -> dict:
     return {k: v for k, v in vars(losses).items() if not k.startswith("__")}
 
 
-def test_a_loss_is_one_function_and_its_entry(plug):
-    plug("LOSSES", in_losses())
-    assert LossConfig(loss="ppo_noclip").loss == "ppo_noclip"        # --loss accepts it
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(3, 5, generator=g)
-    logp = (old + 0.1 * torch.randn(3, 5, generator=g)).requires_grad_()
-    adv = torch.tensor([1.0, -0.5, 2.0])
-    mask = torch.ones(3, 5)
-    mask[1, 3:] = 0
-    loss, metrics = compute_policy_loss(logp, old, adv, mask, "ppo_noclip")
-    r = torch.exp(logp - old)
-    want = (-r * adv[:, None] * mask).sum() / mask.sum()                # token-mean of -r A
-    assert torch.allclose(loss, want)
+def test_a_loss_is_one_function_with_its_own_flag_and_sees_each_tokens_lag(plug, capsys):
+    """The README's lag_ppo, registered from outside losses.py: --loss takes it, its own flag parses through
+    train.py's Config (checked by its dataclass) into compute_policy_loss's keywords, and on toy tensors with
+    known lags its loss is PPO's per token times decay ** lag (by hand), a masked token counting nothing."""
+    plug("LOSSES")
+    from train import Config
+    kw = config.parse_cli(Config, ["--loss", "lag_ppo", "--lag-decay", "0.25"]).train.loss_kwargs()
+    assert kw["lag_decay"] == 0.25 and LossConfig(loss="lag_ppo").loss_kwargs()["lag_decay"] == 0.5
+    with pytest.raises(SystemExit):
+        config.parse_cli(Config, ["--lag-decay", "1.5"])
+    assert "--lag-decay must be <= 1, got 1.5" in capsys.readouterr().err
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.5, -0.2, -0.7]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.1, -0.4, 0.5], [0.0, 0.3, -0.1]])      # log r per token
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 1], [1, 0, 1]])
+    lag = torch.tensor([[0.0, 1.0, 2.0], [3.0, 7.0, 1.0]])                           # [1, 1]: masked
+    loss, _ = compute_policy_loss(logp, old, adv, mask, "lag_ppo", fields={"lag": lag}, **kw)
+    want = 0.0
+    for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]:
+        r, a = math.exp(logp[b, t].item() - old[b, t].item()), adv[b].item()
+        want += 0.25 ** lag[b, t].item() * max(-r * a, -min(max(r, 0.8), 1.28) * a)
+    assert loss.item() == pytest.approx(want / 5, rel=1e-6)
     loss.backward()
-    assert logp.grad is not None and logp.grad[1, 3:].abs().sum() == 0 and logp.grad.abs().sum() > 0
+    assert logp.grad[1, 1] == 0 and logp.grad.abs().sum() > 0
 
 
 def test_an_advantage_estimator_is_one_function_and_its_entry(plug):

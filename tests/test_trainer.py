@@ -617,3 +617,123 @@ def test_probe_diff_is_judged_at_the_runs_precision():
     assert "within bf16" in probe_verdict(0.02, bf16)
     engine_bf16 = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype="bfloat16"))
     assert "within bf16" in probe_verdict(0.02, engine_bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-token fields: a token's version, its lag and each Sample.token_fields entry reach the loss
+
+
+def field_samples():
+    """A two-turn sample (an observation between its turns: a hole in the loss mask) and a one-turn one,
+    with versions and a teacher's per-token log-probs (one value per model token)."""
+    two = Sample("two", "g0", [3, 4, 5], [6, 7, 8, 9, 10, 11], [-0.5] * 6, [1, 1, 0, 0, 1, 1], [5, 5, 7, 7],
+                 1.0, token_fields={"teacher_logp": [-0.1, -0.2, -0.3, -0.4]})
+    one = Sample("one", "g0", [3], [12, 13], [-0.7, -0.9], [1, 1], [6, 8], 0.0,
+                 token_fields={"teacher_logp": [-1.0, -2.0]})
+    return [two, one]
+
+
+# each on the loss mask's columns (the two-turn sample's model tokens are at 3, 4, 7, 8), 0 elsewhere; lag
+# behind trainer version 8
+WANT = {"version": [[0, 0, 0, 5, 5, 0, 0, 7, 7], [0, 6, 8, 0, 0, 0, 0, 0, 0]],
+        "lag": [[0, 0, 0, 3, 3, 0, 0, 1, 1], [0, 2, 0, 0, 0, 0, 0, 0, 0]],
+        "teacher_logp": [[0, 0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4], [0, -1.0, -2.0, 0, 0, 0, 0, 0, 0]]}
+
+
+def test_collate_puts_each_tokens_version_lag_and_fields_on_the_mask_columns():
+    t = collate(field_samples(), "cpu", version=8)
+    assert t["mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert set(t["fields"]) == set(WANT)
+    for name, want in WANT.items():
+        torch.testing.assert_close(t["fields"][name], torch.tensor(want, dtype=torch.float32))
+    assert "lag" not in collate(field_samples(), "cpu")["fields"]          # no trainer version: no lag
+
+
+def test_a_sample_without_a_field_its_micro_batch_has_is_named():
+    two, one = field_samples()
+    one.token_fields = {}
+    with pytest.raises(ValueError, match="sample one: per-token field 'teacher_logp' missing"):
+        collate([two, one], "cpu")
+    one.token_fields = {"teacher_logp": [-1.0, -2.0, -3.0]}
+    with pytest.raises(ValueError, match="'teacher_logp' has 3 values for its 2 model tokens"):
+        collate([two, one], "cpu")
+    one.token_fields = {"lag": [1.0, 1.0]}
+    with pytest.raises(ValueError, match="'lag' are the core's own"):
+        collate([one], "cpu")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """--loss record: REINFORCE that keeps each micro-batch's Terms (a loss registered outside losses.py)."""
+    import losses
+    seen = []
+
+    @losses.loss()
+    def record(t):
+        seen.append(t)
+        return -t.A * t.lp, {}
+    monkeypatch.setitem(losses.LOSSES, "record", record)
+    return seen
+
+
+def test_version_lag_and_fields_reach_the_loss_whole_batch_streamed_and_on_padding(tiny_model_dir, recorded):
+    """The loss sees each token's version, lag and teacher_logp on the mask's columns: train_step (one
+    micro-batch of both samples), the streamed GradStream (one sample a micro-batch) and an empty one (the
+    FSDP padding: no samples, so no sample's field names; any reads as zeros)."""
+    from ext.stream_trainer import GradStream
+    seen = recorded
+    samples = field_samples()
+    tr = Trainer(str(tiny_model_dir), TrainConfig(loss="record", lr=1e-3))
+    tr.train_step(samples, [1.0, -1.0], version=8)
+    [t] = seen
+    for name, want in WANT.items():
+        torch.testing.assert_close(t.fields[name], torch.tensor(want, dtype=torch.float32))
+    assert torch.equal(t.version, t.fields["version"]) and torch.equal(t.lag, t.fields["lag"])
+    seen.clear()
+    grad = GradStream(tr)
+    grad.begin(8)
+    for i, s in enumerate(samples):
+        grad.micro([s], [1.0])
+        for name, want in WANT.items():        # its own micro-batch: as wide as the sample
+            row = torch.tensor([want[i][:s.num_tokens]], dtype=torch.float32)
+            torch.testing.assert_close(seen[-1].fields[name], row)
+    grad.micro([], [])                                                  # the padding
+    assert seen[-1].fields["teacher_logp"].tolist() == [[0.0, 0.0]] == seen[-1].lag.tolist()   # (EMPTY's 2)
+    assert grad.step()["grad_norm"] > 0
+    tr.forward_backward(tr.micro(samples[:1], [1.0], None), 1.0, {})      # no trainer version: no lag
+    with pytest.raises(KeyError, match="no per-token field 'lag' in this batch .it has version, teacher"):
+        seen[-1].lag
+
+
+def test_an_advantage_shaper_makes_per_token_advantages(tiny_model_dir, recorded, monkeypatch):
+    """losses.ADV_SHAPERS, on-policy distillation's A_t = A + coef (teacher_logp_t - old_logp_t) registered
+    from outside losses.py: its flag parses through train.py's Config, and the advantages the loss sees are
+    its own, per token, whole batch and streamed; the padding runs through it too."""
+    import losses
+    from config import parse_cli
+    from ext.stream_trainer import GradStream
+    from train import Config
+
+    @dataclasses.dataclass
+    class DistillParams:
+        distill_coef: float = losses.opt(0.5, "distill: the teacher's log-prob over the sample's, times this")
+
+    @losses.loss(hparams=DistillParams)
+    def distill(t, p):
+        return t["adv"][:, None] + p.distill_coef * (t["fields"]["teacher_logp"] - t["old_logp"]) * t["mask"]
+    monkeypatch.setitem(losses.ADV_SHAPERS, "distill", distill)
+    assert parse_cli(Config, ["--distill-coef", "0.3"]).train.hparams["distill"].distill_coef == 0.3
+    samples = field_samples()
+    tr = Trainer(str(tiny_model_dir), TrainConfig(loss="record", lr=1e-3))
+    t = collate(samples, "cpu")
+    teacher = torch.tensor(WANT["teacher_logp"], dtype=torch.float32)
+    want = torch.where(t["mask"] != 0, torch.tensor([[1.0], [-1.0]]) + 0.5 * (teacher - t["old_logp"]), 0.0)
+    tr.train_step(samples, [1.0, -1.0], version=8)
+    torch.testing.assert_close(recorded[-1].A, want)
+    grad = GradStream(tr)
+    grad.begin(8)
+    grad.micro(samples[1:], [-1.0])
+    torch.testing.assert_close(recorded[-1].A, want[1:, :3])
+    grad.micro([], [])
+    assert recorded[-1].A.tolist() == [[0.0, 0.0]]
+    grad.step()
