@@ -6,7 +6,7 @@ trainer ranks in lockstep under rank 0 (TrainerRanks).
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     ranks = TrainerRanks(trainer, num_ranks, group, out_dir, model_dir, probe_ids, store=store)
     if rank != 0: ranks.follow()                           # the followers: run rank 0's ops until "stop"
-    metrics = ranks.train(samples, advantages, version)    # rank 0: every rank trains its shard
+    metrics, probe = await ranks.train(samples, advantages, version)   # rank 0: every rank its shard
 
 Ranks [0, train_gpus) train; each other rank runs one engine. Each trainer op ("train", "send", "probe",
 "save", "stop"; OPS, which extensions extend) is decided by rank 0 and run by every rank, because FSDP's
@@ -61,6 +61,7 @@ class TrainerRanks:
         self.sender = None
         self.every_rank_sends = False      # the transport's every_rank: each rank sends, tells rank 0 how
         self.after_train: list = []        # (trainer) -> None after each batch, every rank (the extensions')
+        self.probe_due = lambda version: False    # (version) -> probe the weights after this sync? (train.py)
         self.store, self.timeout_s = store, timeout_s     # the mailboxes; a follower's longest wait
         if num_ranks > 1 and store is None:
             raise ValueError("TrainerRanks: more than one trainer rank needs a store (for the mailboxes)")
@@ -72,12 +73,19 @@ class TrainerRanks:
             self.heartbeat = threading.Thread(target=self._beat, name="trainer rank 0 heartbeat", daemon=True)
             self.heartbeat.start()
 
-    def train(self, batch, advantages: list[float], version: int, probe: bool):
-        """One batch on every rank (rank r gets batch[r::n]) at policy `version`; returns rank 0's
-        metrics and, if `probe`, the trainer's probe logprobs under the new weights."""
-        n = self.num_ranks
+    async def train(self, batch, advantages: list[float], version: int):
+        """controller.WholeBatch's train: one batch on every rank (rank r trains batch[r::n]) at policy
+        `version`; returns rank 0's metrics and, when a probe is due at version + 1 (probe_due), the
+        trainer's probe logprobs under the new weights. It runs on rank 0's event loop, which has nothing
+        else to do meanwhile (the rollout ranks go on in their own processes).
+        From controller.rl_step to the optimizer, each hop for one reason: rl_step -> the TrainBackend's
+        finish (the seam that decides when groups train: whole or streamed) -> this (every rank gets its
+        shard) -> run (rank 0 tells the followers the op: FSDP's collectives need them all in it) -> OPS
+        (the op's body, the same on every rank: train_step, the probe, the extensions' after_train) ->
+        Trainer.train_step."""
+        n, probe = self.num_ranks, self.probe_due(version + 1)
         return self.run({"op": "train", "samples": [batch[r::n] for r in range(n)], "version": version,
-                          "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
+                         "advantages": [advantages[r::n] for r in range(n)], "probe": probe})
 
     def save(self, state: dict):
         self.run({"op": "save", "state": state})
@@ -180,10 +188,7 @@ class TrainerRanks:
 
     def _do(self, op: dict):
         if self.num_ranks > 1:    # FSDP: the op's collectives (batch plan, forward/backward, gathers) name it
-            return collective(f"the trainer ranks' '{op['op']}'", self._op, op)
-        return self._op(op)
-
-    def _op(self, op: dict):
+            return collective(f"the trainer ranks' '{op['op']}'", OPS[op["op"]], self, op)
         return OPS[op["op"]](self, op)
 
 

@@ -169,10 +169,8 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
         ctrl.restore(state)
     exts.call("on_controller", ctrl, state)            # (the timeline's events, a tracker, evaluation)
     log = RunLog(cfg, state["step"] if state else 0, exts)
-    async def train(batch, advantages, version):      # every trainer rank, in lockstep
-        return ranks.train(batch, advantages, version, probe=ranks.probe_due(version + 1))
-    backend = (exts.first("train_backend", ranks, ranks.probe_due)
-               or WholeBatch(train, cfg.controller.group_size, cfg.train.adv_estimator,
+    backend = (exts.first("train_backend", ranks, ranks.probe_due)        # (every trainer rank, in lockstep)
+               or WholeBatch(ranks.train, cfg.controller.group_size, cfg.train.adv_estimator,
                              before=[functools.partial(e.before_train, ctrl) for e in exts]))
     meta = weight_meta(trainer.named_weights(), cfg.rollout.dtype)
     send = functools.partial(ranks.send_weights, meta=meta)
