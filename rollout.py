@@ -6,6 +6,7 @@ settings.
     class Env:                    # what an environment is (ENVS: name -> factory(problem, seed, reward_fn))
         async def reset(self, seed: int) -> str                              # first observation
         async def step(self, action: str) -> tuple[str, float, bool, dict]   # obs, reward, done, info
+        def sampling(self, s: Sampling) -> Sampling                          # optional: shape a turn's
     class DrivingEnv:             # or one that drives its own turns (ext/agent.py: OpenAI-client agents)
         async def run(self, proxy, fmt, cfg, task, traj, tag, meta, deadline) -> Sample   # rollout_once's
 
@@ -367,24 +368,21 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
     for turn in range(cfg.max_turns):
         room = cap - len(traj.prompt_ids) - len(traj.response_ids)
         temperature = cfg.temperature if task.eval_temperature is None else task.eval_temperature
-        if task.problem.target_len > 0:      # benchmark: exactly target_len tokens per turn
-            sampling = Sampling(min(task.problem.target_len, room), temperature, ignore_eos=True,
-                                stream_interval=cfg.stream_interval)
-        else:
-            sampling = Sampling(min(cfg.max_tokens, room), temperature, stream_interval=cfg.stream_interval)
+        sampling = Sampling(min(cfg.max_tokens, room), temperature, stream_interval=cfg.stream_interval)
+        if hasattr(env, "sampling"):       # an env that shapes its turns (ext/longtail.py: exact lengths),
+            sampling = env.sampling(sampling)                               # within the context's room
+            sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
         traj.request_id = f"r{proxy.rank}-{task.task_id}-{tag}-t{turn}"
         c = await proxy.generate(traj.prompt_ids + traj.response_ids, sampling, request_id=traj.request_id)
         traj.request_id = None
         if c.finish_reason == "abort":
             raise Aborted(f"rollout rank {proxy.rank}: task {task.task_id} turn {turn} aborted")
-        ids = c.token_ids
-        if task.problem.target_len > 0:    # benchmark: the answer ends at its first EOS; what follows is
-            end = next((k + 1 for k, t in enumerate(ids) if t in fmt.eos_ids), len(ids))   # length only
-            traj.add(ids[:end], c.logprobs[:end], c.versions[:end])
-            traj.add(ids[end:])            # generated and trained through, out of the loss
-            ids = ids[:end]
-        else:
-            traj.add(ids, c.logprobs, c.versions)
+        ids, end = c.token_ids, len(c.token_ids)
+        if sampling.ignore_eos:   # generated past its EOS: the action ends at its first EOS, and the tokens
+            end = next((k + 1 for k, t in enumerate(ids) if t in fmt.eos_ids), end)   # after it are trained
+        traj.add(ids[:end], c.logprobs[:end], c.versions[:end])                       # through, out of the
+        traj.add(ids[end:])                                                           # loss
+        ids = ids[:end]
         text = fmt.decode(ids)             # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
         traj.reward += finite_reward(r, f"{where} step {turn} (task {task.task_id})")

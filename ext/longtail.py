@@ -2,7 +2,11 @@
 training prompt asks for exactly lognormal(median, --response-len-sigma) response tokens (Problem.target_len,
 EOS ignored), drawn once per prompt, so a deferred prompt (tail batching) keeps its length. The answer is
 scored up to its first EOS; the tokens after it are generated and trained through, out of the loss
-(rollout.rollout_once).
+(rollout.rollout_once, for any turn generated past its EOS).
+
+How: the single-turn env (rollout.ENVS[""]) becomes ExactLength for a problem with a target_len, an env
+that shapes its turn's sampling (Env.sampling); every other problem gets the core's SingleTurnEnv. The
+benchmarks (tools/bench*.py) make such problems themselves.
 """
 
 import functools
@@ -10,7 +14,24 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+import rollout
 from config import Extension, extension, opt
+
+
+class ExactLength(rollout.SingleTurnEnv):
+    """The single-turn env, answering in exactly the problem's target_len tokens (EOS ignored)."""
+
+    def sampling(self, s: rollout.Sampling) -> rollout.Sampling:
+        return replace(s, max_tokens=self.problem.target_len, ignore_eos=True)   # (capped at the room)
+
+
+def single_turn(problem, seed: int, reward_fn=None):
+    """rollout.ENVS[""]: ExactLength for a problem with a target_len, else the core's SingleTurnEnv."""
+    env = ExactLength if problem.target_len > 0 else rollout.SingleTurnEnv
+    return env(problem, reward_fn)
+
+
+rollout.ENVS[""] = single_turn
 
 
 @dataclass

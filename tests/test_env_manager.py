@@ -17,6 +17,7 @@ from ext.deadlines import MIN_SAMPLES, WINDOW, DeadlineConfig, EnvDeadline
 from ext.verifiers import RewardPool, VerifierConfig
 from rollout import ENVS, SingleTurnEnv
 from ext.games import ChainEnv, GuessEnv
+import ext.longtail  # noqa: F401  (a task with a target_len answers in exactly that many tokens, EOS ignored)
 from ext.faults import EnvFault, FaultyEnv, LatencyEnv
 from ext.recovery import EngineRecovery, SyncRecovery
 from tools.fake_engine import FakeTimedEngine
