@@ -51,6 +51,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     from tools.local import run_local
     from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
+    import ext.longtail  # noqa: F401  (problems with a target_len: exactly that many tokens, EOS ignored)
     from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)

@@ -100,6 +100,7 @@ async def rollout_rank(args, interval: int, port: int, seconds: float, profile: 
     import tiny_model
     from buffer import ManagerQueues, SampleBuffer
     from env_manager import EnvManager, RolloutConfig
+    import ext.longtail  # noqa: F401  (problems with a target_len: exactly that many tokens, EOS ignored)
     from proxy import LLMProxy
     from ext.timeline import RankEvents
     from tools.fake_engine import FakeTimedEngine

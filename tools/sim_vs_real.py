@@ -121,6 +121,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     from tools.local import run_local
     from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
+    import ext.longtail  # noqa: F401  (problems with a target_len: exactly that many tokens, EOS ignored)
     from weight_sync import weight_meta
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
