@@ -40,7 +40,7 @@ class RolloutTask:
     problem: Problem
     num_samples: int = 1      # 1 with prompt replication; group_size for the batch baseline
     admit_version: int = 0    # policy version when the controller admitted it
-    env: str = ""             # "" = single-turn RLVR; else an environment name (env_manager.ENVS)
+    env: str = ""             # "" = single-turn RLVR; else an environment name (rollout.ENVS)
     eval_temperature: float | None = None   # an evaluation task: sampled at this temperature (0 = greedy),
                                             # never trained on, never aborted as stale
 

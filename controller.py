@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -176,7 +176,7 @@ class AsyncController:
         # a failed broadcast ends the run
         self.recovery = recovery
         self._t_recovery = 0.0
-        # optional timeline.EventLog (add / extend): the timeline's events, None records nothing. The
+        # optional ext.timeline.EventLog (add / extend): the timeline's events, None records nothing. The
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
@@ -604,12 +604,26 @@ class AsyncController:
         return stats
 
 
+class TrainBackend(Protocol):
+    """When a step's groups train (rl_step calls these; streaming changes when, not what): WholeBatch below,
+    once the batch is complete; ext/stream_trainer.TrainStream, each group as it completes."""
+    streams: bool           # True: add() gets each group as soon as it is complete, not all at the end
+
+    def begin(self, version: int):
+        """A step begins; its batch trains the weights of this version."""
+
+    def add(self, group: list):
+        """A group of the batch (G samples)."""
+
+    async def finish(self) -> tuple[dict, list | None]:
+        """The batch is complete: train what is left; (metrics, the probe's logprobs or None)."""
+
+
 class WholeBatch:
-    """The default TrainBackend: a step's groups trained at once, when the batch is complete. A backend:
-    begin(version); add(group) for every group of the batch (at once when `streams`, else as collect()
-    hands them over at its end); await finish() -> (metrics, probe_ref). ext/stream_trainer.py streams.
-    train: async (batch, advantages, version) -> (metrics, probe_ref or None); before: async callables
-    run before it trains (--colocate: the engines sleep); estimator: --adv-estimator."""
+    """The default TrainBackend: a step's groups trained at once, when the batch is complete (collect()
+    hands them over at its end). train: async (batch, advantages, version) -> (metrics, probe_ref or None);
+    before: async callables run before it trains (--colocate: the engines sleep); estimator:
+    --adv-estimator."""
     streams = False
 
     def __init__(self, train, group_size: int, estimator: str = "grpo", before=()):

@@ -173,7 +173,7 @@ class LLMProxy:
         self._t_start: float | None = None   # set on first use, in loop time
         self._busy_s = 0.0
         self._busy_since: float | None = None
-        # optional timeline.RankEvents: wall-clock (time.time()) records of requests and of the weight
+        # optional ext.timeline.RankEvents: wall-clock (time.time()) records of requests and of the weight
         # update's phases, for tools/plot.py's timeline; train.py turns it on, None records nothing
         self.events = None
 

@@ -180,7 +180,7 @@ class Trainer:
         clip acts from the second optimizer step on), --is-correction's pi_prox (the same role, on top
         of any loss), or --recompute-old-logprobs (they take mu's place in the ratio; mu stays in the
         weights: losses.compute_policy_loss's ref_prox). --kl-coef's reference logprobs likewise, once.
-        Every log-prob is computed at the loss mask's positions only (microbatch.PolicyNet); `entropy` is
+        Every log-prob is computed at the loss mask's positions only (model.PolicyNet); `entropy` is
         the policy's mean entropy there.
         Returns metrics averaged over the optimizer steps (rank 0's: each rank reports its own shard);
         self.update_metrics keeps them per step."""

@@ -166,7 +166,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
 
 class Session:
-    """One trajectory's side of the endpoint: its rollout.Turns and what stitching needs of its last call."""
+    """One trajectory's side of the endpoint: its Turns and what stitching needs of its last call."""
 
     def __init__(self, turns):
         self.turns, self.fmt = turns, turns.fmt

@@ -15,8 +15,8 @@
 
 What runs for real: controller.AsyncController (admission under the async ratio, group assembly,
 dynamic filtering, stale eviction, the three-phase weight sync), buffer.SampleBuffer over LocalQueues,
-one env_manager.EnvManager per rollout GPU over proxy.LLMProxy(fake_engine.FakeTimedEngine), and
-envs.LatencyEnv / envs.FaultyEnv. All of it on one looptime event loop whose clock jumps to the
+one env_manager.EnvManager per rollout GPU over proxy.LLMProxy(tools.fake_engine.FakeTimedEngine), and
+ext.faults.LatencyEnv / ext.faults.FaultyEnv. All of it on one looptime event loop whose clock jumps to the
 next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds. The glue here:
 - trainer: the loop of train.py (collect -> train -> sync_weights) with training as a sleep of
   train_time(tokens, T) = tokens / (T * train_tok_s) + train_overhead_s;
@@ -26,7 +26,7 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   every engine has the new weights (as weight_sync.py's broadcast holds the trainer). Both times come
   from the model's bytes (weight_sync_s): over NVLink within one node, over the inter-node link when
   the run spans nodes, then the engine's load; every table prints what it assumed (sync_note);
-- engines: fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
+- engines: tools.fake_engine.FakeTimedEngine as a vLLM engine on one 80 GB GPU (sim_engine): a KV-cache
   budget of kv_tokens (admission while the blocks fit, preemption + recompute when they run out),
   step time t0 + k * running + k_ctx * context tokens + k_prefill * prefilled tokens; the
   constants are derived for an 8B model at SimConfig, and sim_vs_real.py checks the same model
@@ -42,7 +42,7 @@ next timer whenever every task sleeps, so an hour of a 128-GPU run takes seconds
   rates make dynamic filtering drop E[p^G + (1-p)^G] of the groups (22% at G = 8 with p uniform),
   roughly DAPO's filter rate;
 - multi-turn (envasync): SimEnv ends a trajectory after `turns` turns, one-token observations;
-  envs.LatencyEnv adds normal(mean, std) latency to reset and every step. The sync-env baseline
+  ext.faults.LatencyEnv adds normal(mean, std) latency to reset and every step. The sync-env baseline
   (LockstepEnv) puts an asyncio.Barrier over all trajectories of one engine before and after each
   env call: every turn the engine's batch is generated, then all its envs step, then the next turn
   (turn time = slowest generation + slowest env), the classic batched env loop.
@@ -161,14 +161,14 @@ class SimConfig:
                                     # it the reward phase is ~10% of a sync step (RollPacker: 5-13%), see
                                     # `calibrate`
     reward_std_s: float = 1.5
-    env_mean_s: float = 0.0         # env latency per reset/step (envs.LatencyEnv), mean and std (s)
+    env_mean_s: float = 0.0         # env latency per reset/step (ext.faults.LatencyEnv), mean and std (s)
     env_std_s: float = 0.0
-    fail_rate: float = 0.0          # env call failure rate (envs.FaultyEnv), retried by the EnvManager
+    fail_rate: float = 0.0          # env call failure rate (ext.faults.FaultyEnv), retried by the EnvManager
     lockstep: str = ""              # sync-env baseline: "engine" (each engine's trajectories advance turn by
                                     # turn together) or "batch" (all B*G trajectories do); "" = env-level
                                     # async
-    # engine model (fake_engine.FakeTimedEngine): an 8B dense model in bf16 (Qwen3-8B: 8.2e9 parameters, 36
-    # layers, 8 KV heads of 128) on one 80 GB H800/H100 (3.35 TB/s HBM, 989 TFLOP/s bf16), one engine per GPU
+    # engine model (tools.fake_engine.FakeTimedEngine): an 8B dense model in bf16 (Qwen3-8B: 8.2e9 parameters,
+    # 36 layers, 8 KV heads of 128) on one 80 GB H800/H100 (3.35 TB/s HBM, 989 TFLOP/s bf16), one engine a GPU
     t0: float = 0.010               # s per decode step at batch 0: 16.4 GB of weights at ~2 TB/s achieved
                                     # (8.2 ms) + ~2 ms of scheduling, sampling and launch
     k: float = 3e-5                 # s per running sequence per step: its matmuls, 2 x 8.2e9 FLOP per token
