@@ -21,7 +21,8 @@ import collections
 import math
 
 from buffer import Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample
-from proxy import EngineError, Status, now
+from clock import now
+from proxy import EngineError, Status
 from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory,
                      env_seed, inline_reward, run_trajectory)
 from task import load_reward

@@ -31,13 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Iterable, Protocol, runtime_checkable
 
-
-def now() -> float:
-    """Event-loop time: real time normally, virtual time under a fast-forwarded loop (sim, tests)."""
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()
+from clock import now
 
 
 class EngineError(RuntimeError):

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import task
 from buffer import RolloutTask, Sample
 from config import check, opt
-from proxy import Sampling, now
+from clock import now
+from proxy import Sampling
 
 
 @dataclass

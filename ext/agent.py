@@ -66,7 +66,8 @@ from pathlib import Path
 
 from buffer import RolloutTask, Sample
 from config import Extension, extension, opt
-from proxy import Completion, Sampling, now
+from clock import now
+from proxy import Completion, Sampling
 from rollout import (ENVS, RANK_STATS, Aborted, EnvFailure, FixedDeadline, PromptFormat, RolloutConfig,
                      Trajectory, finite_reward)
 

@@ -24,7 +24,8 @@ import asyncio
 
 from buffer import Ack, Phase
 from config import Extension, extension
-from proxy import EngineError, now
+from clock import now
+from proxy import EngineError
 
 
 class EngineRecovery:

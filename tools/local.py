@@ -11,7 +11,7 @@ import itertools
 
 from weight_sync import weight_meta
 
-from proxy import now
+from clock import now
 
 
 async def run_local(ctrl, managers: list, driver, timeout_s: float):
