@@ -427,7 +427,7 @@ class SampleBuffer:
     MAX_BATCH = 4096       # items moved per transport call at most
 
     def __init__(self, transport, who: str = "?", timeout_s: float = 600.0):
-        self.t = transport
+        self.transport = transport
         self.who = who              # e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
         self.timeout_s = timeout_s
         self.inbox: collections.deque[Sample] = collections.deque()   # samples fetched, not yet handed out
@@ -437,7 +437,7 @@ class SampleBuffer:
         timeout = self.timeout_s if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):      # (not wait_for: in 3.11 it can swallow a cancel)
-                return await self.t.get_many(name, max_items, rank)
+                return await self.transport.get_many(name, max_items, rank)
         except TimeoutError:
             raise TimeoutError(f"{self.who}: nothing on the {name} queue for {timeout:.0f}s "
                                f"during {phase}") from None
@@ -446,7 +446,7 @@ class SampleBuffer:
     async def _bounded(self, coro, phase: str):
         """A transport call under the buffer's timeout (a ManagerQueues round trip waits for the server;
         in-process queues answer at once, and awaited directly they add no scheduling step)."""
-        if not self.t.round_trips:
+        if not self.transport.round_trips:
             return await coro
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -456,12 +456,12 @@ class SampleBuffer:
                                f"during {phase}") from None
 
     async def put_tasks(self, tasks: list[RolloutTask]):
-        await self._bounded(self.t.put_many("tasks", tasks), "put tasks")
+        await self._bounded(self.transport.put_many("tasks", tasks), "put tasks")
 
     async def return_tasks(self, tasks: list[RolloutTask]):
         """Tasks a rollout rank took and passed over go back to the task queue's front, in their order, so
         that they start before the tasks queued after them (a group's samples start close together)."""
-        await self._bounded(self.t.put_front("tasks", tasks), "return tasks")
+        await self._bounded(self.transport.put_front("tasks", tasks), "return tasks")
 
     async def get_sample(self, timeout: float | None = None) -> Sample:
         if not self.inbox:          # one round trip fetches every sample waiting
@@ -470,54 +470,55 @@ class SampleBuffer:
 
     def get_sample_nowait(self) -> Sample | None:
         if not self.inbox:
-            self.inbox.extend(self.t.get_many_nowait("samples", self.MAX_BATCH))
+            self.inbox.extend(self.transport.get_many_nowait("samples", self.MAX_BATCH))
         return self.inbox.popleft() if self.inbox else None
 
     async def send_command(self, rank: int, cmd: Command):
-        await self._bounded(self.t.put_many("commands", [cmd], rank), f"send a command to rank {rank}")
+        await self._bounded(self.transport.put_many("commands", [cmd], rank),
+                            f"send a command to rank {rank}")
 
     async def get_ack(self, phase: str, timeout: float | None = None) -> Ack:
         return (await self._get_many("acks", phase, timeout=timeout, max_items=1))[0]
 
     def num_queued_tasks(self) -> int:
-        return self.t.qsize("tasks")
+        return self.transport.qsize("tasks")
 
     # rollout side: polls from the rank's event loop, which must not stand still in a round trip to the
     # trainer's queue server while the engine's outputs wait (tools/bench_rollout.py measured 29-34%)
     async def _polled(self, phase: str, fn, *args):
-        if not self.t.round_trips:
+        if not self.transport.round_trips:
             return fn(*args)
         return await self._bounded(asyncio.to_thread(fn, *args), phase)
 
     async def exchange(self, rank: int, samples: list[Sample], want_command: bool,
                        max_tasks: int) -> tuple[Command | None, list[RolloutTask], int]:
         """A control-loop tick's queue work in one round trip (module function exchange)."""
-        return await self._polled("send samples, poll commands and tasks", self.t.exchange, rank, samples,
-                                  want_command, max_tasks)
+        return await self._polled("send samples, poll commands and tasks", self.transport.exchange, rank,
+                                  samples, want_command, max_tasks)
 
     async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
         return await self._polled("poll tasks", self.get_tasks_nowait, max_items)
 
     def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
-        return self.t.get_many_nowait("tasks", max_items) if max_items > 0 else []
+        return self.transport.get_many_nowait("tasks", max_items) if max_items > 0 else []
 
     async def put_samples(self, samples: list[Sample]):
         if samples:
-            await self._bounded(self.t.put_many("samples", samples), "put samples")
+            await self._bounded(self.transport.put_many("samples", samples), "put samples")
 
     def get_command_nowait(self, rank: int) -> Command | None:
-        got = self.t.get_many_nowait("commands", 1, rank)
+        got = self.transport.get_many_nowait("commands", 1, rank)
         return got[0] if got else None
 
     def get_acks_nowait(self) -> list[Ack]:
-        return self.t.get_many_nowait("acks", self.MAX_BATCH)
+        return self.transport.get_many_nowait("acks", self.MAX_BATCH)
 
     async def put_ack(self, ack: Ack):
-        await self._bounded(self.t.put_many("acks", [ack]), f"put a {ack.phase} ack")
+        await self._bounded(self.transport.put_many("acks", [ack]), f"put a {ack.phase} ack")
 
     def close(self):
-        if hasattr(self.t, "shutdown"):
-            self.t.shutdown()
+        if hasattr(self.transport, "shutdown"):
+            self.transport.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------

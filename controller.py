@@ -140,8 +140,8 @@ class AsyncController:
         self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
         # the freshness rule (the async ratio's, or an Extension's): the assembler holds it (`freshness`)
-        self.asm = GroupAssembler(cfg.group_size, freshness or Freshness(cfg.async_ratio), cfg.filter_groups,
-                                  cfg.sample_order)
+        self.assembler = GroupAssembler(cfg.group_size, freshness or Freshness(cfg.async_ratio),
+                                        cfg.filter_groups, cfg.sample_order)
         self.admission = admission or Admission(cfg)
         self.extra: set[str] = set()           # unresolved groups running more samples than group_size
         self.groups_admitted = 0
@@ -188,16 +188,16 @@ class AsyncController:
     @property
     def freshness(self) -> Freshness:
         """The freshness rule: the assembler's, admission's, and every SYNC's."""
-        return self.asm.freshness
+        return self.assembler.freshness
 
     @freshness.setter
     def freshness(self, rule: Freshness):
-        self.asm.freshness = rule
+        self.assembler.freshness = rule
 
     # --- schedule
     def _groups_lost(self) -> int:
         """Admitted groups that ended without being trained: filtered, or lost for a reason of Lost."""
-        return self.asm.groups_filtered + sum(getattr(self.asm, f"groups_{why}") for why in Lost)
+        return self.assembler.groups_filtered + sum(getattr(self.assembler, f"groups_{why}") for why in Lost)
 
     def groups_holding_places(self) -> int:
         """Admitted groups that hold a place under the async ratio: not lost or filtered, and not trained by
@@ -243,7 +243,7 @@ class AsyncController:
             tasks_per_group = self.admission.admitted(gid, self.version)
             if tasks_per_group > self.cfg.group_size:
                 self.extra.add(gid)
-                self.asm.expect(gid, tasks_per_group)
+                self.assembler.expect(gid, tasks_per_group)
             if self.cfg.replicate:
                 tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
                           for j in range(tasks_per_group)]
@@ -268,14 +268,14 @@ class AsyncController:
         while True:
             if stream:
                 self._commit(committed, on_group)
-            n_ready = len(committed) + self.asm.num_ready()
+            n_ready = len(committed) + self.assembler.num_ready()
             if n_ready >= cfg.batch_groups and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
                 break                                      # B complete, fresh groups (batch mode: all in)
             s = await self._next_sample(n_ready)           # (None: a second passed without one)
             if s is None:
                 continue
             await self._add(s)                             # into its group; a lost group's work stops
-            n_ready = len(committed) + self.asm.num_ready()
+            n_ready = len(committed) + self.assembler.num_ready()
             if n_ready < cfg.batch_groups and self._filtering_spins(n_ready):
                 break                                      # --on-max-gen-batches train: what it has
             # lost groups free admission capacity: queue mode refills at once; batch mode only starts
@@ -288,14 +288,15 @@ class AsyncController:
 
     def _begin_step(self):
         """A step's collect begins: its clocks, and the counters its report subtracts (`before`)."""
-        asm = self.asm
+        assembler = self.assembler
         self._t0, self._wall0 = now(), time.time()
-        self.before = dict(stale=asm.samples_dropped_stale, filtered=asm.groups_filtered,
-                           failed=asm.samples_failed, surplus=asm.samples_surplus,
-                           completed=asm.groups_completed)
+        self.before = dict(stale=assembler.samples_dropped_stale, filtered=assembler.groups_filtered,
+                           failed=assembler.samples_failed, surplus=assembler.samples_surplus,
+                           completed=assembler.groups_completed)
         self.step_rewards = []
         self.taken_before_step = self.groups_taken
-        self._ready, self._t_progress = asm.num_ready(), now()   # a stall: no new ready group for timeout_s
+        # a stall: no new ready group for timeout_s
+        self._ready, self._t_progress = assembler.num_ready(), now()
         self._t_beat = now()
 
     async def _next_sample(self, n_ready: int):
@@ -325,24 +326,25 @@ class AsyncController:
         """A sample into its group (the assembler). A group it leaves lost (given up, or stale) has its
         other samples aborted, and is admitted again when that was not the prompt's fault (its engine
         died, --colocate's sleep); a group it completes under redundancy has the rest aborted (surplus)."""
-        asm, gid = self.asm, s.group_id
-        closed_before, alive_before = len(asm.closed), gid not in asm.dead
-        asm.add(s, self.version)
+        assembler, gid = self.assembler, s.group_id
+        closed_before, alive_before = len(assembler.closed), gid not in assembler.dead
+        assembler.add(s, self.version)
         self.failed_received += s.failed and not s.notice
         if not s.failed:
             self.step_rewards.append(s.reward)
-        if alive_before and gid in asm.dead:
+        if alive_before and gid in assembler.dead:
             await self._abort_groups([gid])                # lost: stop its other samples
-            if gid in self.problem_of and (s.meta.get("engine_lost") or asm.lost[gid] is Lost.INTERRUPTED):
+            if gid in self.problem_of and (s.meta.get("engine_lost")
+                                           or assembler.lost[gid] is Lost.INTERRUPTED):
                 self.readmit.append(self.problem_of[gid])
-        elif gid in self.extra and len(asm.closed) > closed_before:
+        elif gid in self.extra and len(assembler.closed) > closed_before:
             await self._abort_groups([gid])                # redundant samples: the rest is surplus
-        if gid in asm.dead or (gid in asm.closed and not asm.is_ready(gid)):
+        if gid in assembler.dead or (gid in assembler.closed and not assembler.is_ready(gid)):
             self._forget(gid)                              # lost or filtered: no longer a prompt in flight
 
     async def _end_step(self, groups: list[list]) -> tuple[list, dict]:
         """The batch is complete: its samples and the step's info (rewards, staleness, what was dropped)."""
-        asm, before = self.asm, self.before
+        assembler, before = self.assembler, self.before
         if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
             raise RuntimeError(runlog.spin_report(self, before, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
@@ -360,11 +362,11 @@ class AsyncController:
             "reward_mean": sum(self.step_rewards) / max(len(self.step_rewards), 1),
             "reward_trained_mean": sum(s.reward for s in batch) / len(batch),
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
-            "samples_dropped_stale": asm.samples_dropped_stale - before["stale"],
-            "groups_filtered": asm.groups_filtered - before["filtered"],
-            "groups_completed": asm.groups_completed - before["completed"],   # in this step, kept or filtered
-            "samples_failed": asm.samples_failed - before["failed"],
-            "samples_surplus": asm.samples_surplus - before["surplus"],
+            "samples_dropped_stale": assembler.samples_dropped_stale - before["stale"],
+            "groups_filtered": assembler.groups_filtered - before["filtered"],
+            "groups_completed": assembler.groups_completed - before["completed"],   # kept or filtered
+            "samples_failed": assembler.samples_failed - before["failed"],
+            "samples_surplus": assembler.samples_surplus - before["surplus"],
             "samples_duplicate": duplicate, "prompts_rejected": self.prompts_rejected,
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
@@ -394,8 +396,8 @@ class AsyncController:
         from earlier steps are not this step's work) reach --max-gen-batches batches, fail with a clear
         error (--on-max-gen-batches error) or end the step with what is ready (train: True)."""
         cfg, before = self.cfg, self.before
-        filtered, completed = (self.asm.groups_filtered - before["filtered"],
-                               self.asm.groups_completed - before["completed"])
+        filtered, completed = (self.assembler.groups_filtered - before["filtered"],
+                               self.assembler.groups_completed - before["completed"])
         if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
                 and filtered >= 4 * n_ready):
             self._warned_filtering = True
@@ -418,7 +420,7 @@ class AsyncController:
 
     def _commit(self, committed: list, on_group):
         """Hand the ready groups to the trainer (on_group), up to the batch."""
-        for g in self.asm.take(self.cfg.batch_groups - len(committed), self.version):
+        for g in self.assembler.take(self.cfg.batch_groups - len(committed), self.version):
             committed.append(g)
             self.groups_taken += 1
             self.admission.taken(g[0].group_id)
@@ -437,7 +439,7 @@ class AsyncController:
         returns their prompts."""
         problems = []
         for gid in gids:
-            self.asm.defer(gid, self.version)
+            self.assembler.defer(gid, self.version)
             problems.append(self.problem_of.pop(gid, None))
             self.extra.discard(gid)
         if gids:
@@ -451,8 +453,8 @@ class AsyncController:
 
     def _all_admitted_done(self) -> bool:
         """Batch mode barrier: every admitted group is either complete or lost."""
-        return not self.asm.pending and self.buffer.num_queued_tasks() == 0 and \
-            self.groups_admitted - self._groups_lost() - self.groups_taken == self.asm.num_ready()
+        return not self.assembler.pending and self.buffer.num_queued_tasks() == 0 and \
+            self.groups_admitted - self._groups_lost() - self.groups_taken == self.assembler.num_ready()
 
     async def _abort_groups(self, group_ids: list[str]):
         for r in range(self.num_ranks):
@@ -482,7 +484,7 @@ class AsyncController:
         self.version = new_version
         self.in_flight = (new_version, probe_ref)
         # groups that can no longer be fresh: drop them here and stop their running samples
-        dropped = self.asm.evict_stale(self.version)
+        dropped = self.assembler.evict_stale(self.version)
         for gid in dropped:
             self._forget(gid)
         if dropped:
@@ -583,12 +585,13 @@ class AsyncController:
 
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""
-        asm = self.asm
+        assembler = self.assembler
         out = {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
-               "failed_samples_received": self.failed_received, "groups_failed": asm.groups_failed,
-               "groups_filtered": asm.groups_filtered, "groups_dropped_stale": asm.groups_dropped_stale,
-               "groups_interrupted": asm.groups_interrupted,
-               "samples_surplus": asm.samples_surplus, "samples_unconsumed": self.samples_unconsumed,
+               "failed_samples_received": self.failed_received, "groups_failed": assembler.groups_failed,
+               "groups_filtered": assembler.groups_filtered,
+               "groups_dropped_stale": assembler.groups_dropped_stale,
+               "groups_interrupted": assembler.groups_interrupted,
+               "samples_surplus": assembler.samples_surplus, "samples_unconsumed": self.samples_unconsumed,
                **self.admission.counters(self)}
         return out
 

@@ -54,7 +54,7 @@ class EnvManager:
         self.freshness = None if freshness is None else Freshness.of(freshness)
         self.sync_timeout_s = sync_timeout_s    # a weight sync (suspend to SYNCED ack) longer is an error
         # rollout ranks pulling from the same task queue: one per command queue (1 = pull greedily)
-        self.num_ranks = len(buffer.t.commands)
+        self.num_ranks = len(buffer.transport.commands)
         # group_id -> loop time this rank last started one of its tasks
         self.group_taken_at: dict[str, float] = {}
         self.probe_ids = probe_ids              # token ids scored after a load if a SYNC asks (Command.probe)
@@ -180,7 +180,7 @@ class EnvManager:
         elif cmd.kind == Cmd.ABORT_GROUPS:
             groups = set(cmd.group_ids)
             self.aborted_groups |= groups
-            await self._abort([tid for tid, (t, _) in self.jobs.items() if t.group_id in groups],
+            await self._abort([tid for tid, (task, _) in self.jobs.items() if task.group_id in groups],
                               "aborted_by_request")
         else:
             raise ValueError(f"rollout rank {self.rank}: unknown command {cmd!r}")
@@ -215,9 +215,9 @@ class EnvManager:
             await self.proxy.resume()
             self.synced = True
             rule = self.freshness = cmd.freshness or self.freshness
-            stale = [tid for tid, (t, _) in self.jobs.items() if tid in running and rule is not None
-                     and t.eval_temperature is None                         # (evaluation is never trained)
-                     and not rule.fresh(self._oldest_version(tid), v, t.group_id)]
+            stale = [tid for tid, (task, _) in self.jobs.items() if tid in running and rule is not None
+                     and task.eval_temperature is None                      # (evaluation is never trained)
+                     and not rule.fresh(self._oldest_version(tid), v, task.group_id)]
             await self._abort(stale, "aborted_stale", notice=Lost.STALE)
             probe = await self.proxy.score(self.probe_ids) if cmd.probe and self.probe_ids else None
         except EngineError as e:
@@ -243,8 +243,8 @@ class EnvManager:
         t_now = now()
         spread = self.num_ranks > 1
         if len(self.group_taken_at) > 4 * self.cfg.max_concurrency:   # forget groups older than a period
-            self.group_taken_at = {g: t for g, t in self.group_taken_at.items()
-                                   if t_now - t < self.cfg.poll_s}
+            self.group_taken_at = {g: at for g, at in self.group_taken_at.items()
+                                   if t_now - at < self.cfg.poll_s}
         passed_over = []
         try:
             while self.slots_used < self.cfg.max_concurrency:
@@ -255,46 +255,47 @@ class EnvManager:
                         return
                     budget -= len(got)
                     self.held.extend(got)
-                t = self.held[0]
-                if t.group_id in self.aborted_groups:
+                task = self.held[0]
+                if task.group_id in self.aborted_groups:
                     self.held.popleft()
                     self.counters["tasks_skipped"] += 1
                     continue
-                if t.num_samples > self.cfg.max_concurrency:
-                    raise ValueError(f"rollout rank {self.rank}: task {t.task_id} has "
-                                     f"num_samples={t.num_samples} > "
+                if task.num_samples > self.cfg.max_concurrency:
+                    raise ValueError(f"rollout rank {self.rank}: task {task.task_id} has "
+                                     f"num_samples={task.num_samples} > "
                                      f"max_concurrency={self.cfg.max_concurrency}; it could never start")
                 # (a period is poll_s less a float's rounding: the next timed poll is exactly poll_s later)
-                if (spread and t_now - self.group_taken_at.get(t.group_id, -math.inf)
+                if (spread and t_now - self.group_taken_at.get(task.group_id, -math.inf)
                         < 0.999 * self.cfg.poll_s):
                     # another rank with room takes it within a period
                     passed_over.append(self.held.popleft())
                     continue
-                if self.slots_used + t.num_samples > self.cfg.max_concurrency:
+                if self.slots_used + task.num_samples > self.cfg.max_concurrency:
                     return             # held until enough slots free
                 if spread:
-                    self.group_taken_at[t.group_id] = t_now
+                    self.group_taken_at[task.group_id] = t_now
                 self._start(self.held.popleft())
         finally:
             if passed_over:
                 await self.buffer.return_tasks(passed_over)
 
-    def _start(self, t: RolloutTask):
-        self.slots_used += t.num_samples
+    def _start(self, task: RolloutTask):
+        self.slots_used += task.num_samples
         self.counters["tasks_started"] += 1
-        self.trajs[t.task_id] = {}
-        job = asyncio.get_running_loop().create_task(self._run_task(t), name=f"rank{self.rank}:{t.task_id}")
-        self.jobs[t.task_id] = (t, job)
-        job.add_done_callback(lambda j, t=t: self._on_done(t, j))
+        self.trajs[task.task_id] = {}
+        job = asyncio.get_running_loop().create_task(self._run_task(task),
+                                                     name=f"rank{self.rank}:{task.task_id}")
+        self.jobs[task.task_id] = (task, job)
+        job.add_done_callback(lambda j, task=task: self._on_done(task, j))
 
-    def _on_done(self, t: RolloutTask, job: asyncio.Task):
+    def _on_done(self, task: RolloutTask, job: asyncio.Task):
         """Free the slots whatever happened (done, failed, aborted); remember a crash for run()."""
-        self.slots_used -= t.num_samples
-        self.jobs.pop(t.task_id, None)
-        self.trajs.pop(t.task_id, None)
+        self.slots_used -= task.num_samples
+        self.jobs.pop(task.task_id, None)
+        self.trajs.pop(task.task_id, None)
         exc = None if job.cancelled() else job.exception()
         if isinstance(exc, EngineError) and self.recovery is not None:
-            self.recovery.lose(t, exc)        # the engine died under it: recovered by the control loop
+            self.recovery.lose(task, exc)     # the engine died under it: recovered by the control loop
         elif isinstance(exc, Exception) and not isinstance(exc, Aborted) and self.error is None:
             self.error = exc
         self.wake.set()
@@ -303,14 +304,14 @@ class EnvManager:
         trajs = self.trajs.get(task_id, {})
         return min((tr.oldest_version for tr in trajs.values()), default=self.proxy.version)
 
-    def _give_up(self, t: RolloutTask, error: str, **meta):
-        """Tell the controller that t's samples will never come: one failed sample per sample, not retried,
-        so that its group is resolved (buffer.GroupAssembler.add) and frees its admission place."""
-        for i in range(t.num_samples):
-            self._send(Sample(t.task_id, t.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
-                              rank=self.rank, admit_version=t.admit_version, failed=True,
-                              meta={"error": error, "retrying": False, "sample_index": i, "timeout": False,
-                                    "eval": t.eval_temperature is not None, **meta}))
+    def _give_up(self, task: RolloutTask, error: str, **meta):
+        """Tell the controller that the task's samples will never come: one failed sample per sample, not
+        retried, so that its group is resolved (buffer.GroupAssembler.add) and frees its admission place."""
+        for i in range(task.num_samples):
+            self._enqueue(Sample(task.task_id, task.group_id, [], [], [], [], [], 0.0, finish_reason="failed",
+                                 rank=self.rank, admit_version=task.admit_version, failed=True,
+                                 meta={"error": error, "retrying": False, "sample_index": i, "timeout": False,
+                                       "eval": task.eval_temperature is not None, **meta}))
 
     async def _abort(self, task_ids: list[str], counter: str | None, notice: Lost | None = None):
         """End these tasks: abort their engine requests first (so the engine drops them), then
@@ -320,17 +321,17 @@ class EnvManager:
         jobs = [self.jobs[tid] for tid in task_ids if tid in self.jobs]
         if not jobs:
             return
-        trajs = [tr for t, _ in jobs for tr in self.trajs.get(t.task_id, {}).values()]
+        trajs = [tr for task, _ in jobs for tr in self.trajs.get(task.task_id, {}).values()]
         rids = [tr.request_id for tr in trajs if tr.request_id]
         # thrown away: the model tokens of their finished turns and of the turn in flight
         self.counters["tokens_aborted"] += sum(sum(tr.loss_mask) for tr in trajs) + sum(
             self.proxy.tokens_so_far(rid) for rid in rids)
-        for t, job in jobs:
+        for task, job in jobs:
             job.cancel()           # request before any await: the job cannot send a sample after this
             if counter:
-                self.counters[counter] += t.num_samples
+                self.counters[counter] += task.num_samples
             if notice:
-                self._give_up(t, f"aborted by rollout rank {self.rank} ({notice})", aborted=str(notice))
+                self._give_up(task, f"aborted by rollout rank {self.rank} ({notice})", aborted=str(notice))
         if rids and self.proxy.status != Status.STOPPED:
             await self.proxy.abort(rids)
         done, pending = await asyncio.wait([j for _, j in jobs], timeout=self.cfg.stop_timeout_s)
@@ -340,17 +341,17 @@ class EnvManager:
 
     # --- one task: one trajectory, or n of them with a group barrier (batch baseline)
 
-    async def _run_task(self, t: RolloutTask):
-        live = self.trajs[t.task_id]            # index -> the attempt running now, for aborts and staleness
+    async def _run_task(self, task: RolloutTask):
+        live = self.trajs[task.task_id]     # index -> the attempt running now, for aborts and staleness
 
         def one(i):
-            return run_trajectory(self.proxy, lambda: self._make_env(t), self.fmt, self.cfg, t, i,
+            return run_trajectory(self.proxy, lambda: self._make_env(task), self.fmt, self.cfg, task, i,
                                   on_attempt=live.__setitem__, on_failure=self._report_failure,
                                   deadline=self.deadline)
-        if t.num_samples == 1:     # replicated tasks: the common case, no sub-tasks
+        if task.num_samples == 1:  # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
         else:
-            subs = [asyncio.ensure_future(one(i)) for i in range(t.num_samples)]
+            subs = [asyncio.ensure_future(one(i)) for i in range(task.num_samples)]
             try:
                 samples = await asyncio.gather(*subs)
             finally:
@@ -358,10 +359,10 @@ class EnvManager:
                     s.cancel()
         for s in samples:          # num_samples > 1: all n together, on purpose (the baseline's barrier)
             if s is not None:
-                self._send(s)
+                self._enqueue(s)
                 self.counters["samples_sent"] += 1
 
-    def _send(self, s: Sample):
+    def _enqueue(self, s: Sample):
         self.outbox.append(s)
         self.wake.set()            # the control loop flushes the outbox at once
 
@@ -374,11 +375,11 @@ class EnvManager:
         self.counters["samples_failed"] += 1
         self.counters["env_timeouts"] += s.meta["timeout"]
         self.counters["retries"] += s.meta["retrying"]
-        self._send(s)
+        self._enqueue(s)
 
-    def _make_env(self, t: RolloutTask):
-        if t.env not in ENVS:
-            raise ValueError(f"rollout rank {self.rank}: task {t.task_id} asks for env {t.env!r}; "
+    def _make_env(self, task: RolloutTask):
+        if task.env not in ENVS:
+            raise ValueError(f"rollout rank {self.rank}: task {task.task_id} asks for env {task.env!r}; "
                              f"known: {sorted(ENVS)}")
-        env = ENVS[t.env](t.problem, env_seed(t.group_id), reward_fn=self.reward_fn)
+        env = ENVS[task.env](task.problem, env_seed(task.group_id), reward_fn=self.reward_fn)
         return self.env_wrappers(env) if self.env_wrappers else env

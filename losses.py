@@ -261,11 +261,12 @@ LOSSES = {"reinforce": reinforce, "ppo": ppo, "decoupled_ppo": decoupled_ppo, "t
           "topr": topr, "gspo": gspo}
 VARIANTS = tuple(LOSSES)     # (the registry's names, in --loss's help order; more may be registered)
 
-# --- per-token advantages: ADV_SHAPERS, name -> shaper (t, params) -> advantages [B] or [B, T]. The trainer
-# calls every shaper, in order, on each micro-batch t before its loss (train_step and the streamed GradStream
-# alike: both go through Trainer.micro): t["adv"] (the sample's advantage [B], or an earlier shaper's [B, T]),
-# t["old_logp"], t["mask"] and t["fields"] ([B, T]). params: its hyperparameters (marked @loss(hparams=...),
-# flags like a loss's: LossConfig.hparams[name]), or None; a shaper that is off returns t["adv"] as it is.
+# --- per-token advantages: ADV_SHAPERS, name -> shaper (mb, params) -> advantages [B] or [B, T]. The
+# trainer calls every shaper, in order, on each micro-batch mb before its loss (train_step and the streamed
+# GradStream alike: both go through Trainer.micro): mb["adv"] (the sample's advantage [B], or an earlier
+# shaper's [B, T]), mb["old_logp"], mb["mask"] and mb["fields"] ([B, T]). params: its hyperparameters (marked
+# @loss(hparams=...), flags like a loss's: LossConfig.hparams[name]), or None; a shaper that is off returns
+# mb["adv"] as it is.
 ADV_SHAPERS: dict = {}
 
 SHARED = ("clip_low", "clip_high", "dual_clip", "is_correction", "is_level", "is_cap", "icepop_low",

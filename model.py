@@ -2,8 +2,8 @@
 
     model, net = build(model_dir, device="cuda:0", group=trainer_group, bf16=True, chunk=1024)
     parts = pack_by_tokens([s.num_tokens for s in samples], budget=16384)   # index lists, longest first
-    t = collate([samples[i] for i in parts[0]], device, version)  # right-padded tensors; per-token fields
-    logp = token_logprobs(net, t["input_ids"], t["attn"], t["mask"])         # [B, T], 0 where unselected
+    mb = collate([samples[i] for i in parts[0]], device, version)  # right-padded tensors; per-token fields
+    logp = token_logprobs(net, mb["input_ids"], mb["attn"], mb["mask"])         # [B, T], 0 where unselected
 
 The model: one rank loads it whole. Several (FSDP2): no rank ever holds the whole model: built on the
 meta device, sharded (each decoder layer, then the root), then each rank reads only its own shards of

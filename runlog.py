@@ -226,25 +226,26 @@ def trim_metrics(out_dir: str, step: int):
 
 def collect_line(ctrl, before: dict, elapsed: float) -> str:
     """The heartbeat while a step collects (every --heartbeat-s)."""
-    asm = ctrl.asm
-    return (f"  collecting step {ctrl.version - ctrl.version0 + 1} for {elapsed:.0f}s: {asm.num_ready()}/"
+    a = ctrl.assembler
+    return (f"  collecting step {ctrl.version - ctrl.version0 + 1} for {elapsed:.0f}s: {a.num_ready()}/"
             f"{ctrl.cfg.batch_groups} groups ready, {len(ctrl.step_rewards)} samples in, "
-            f"{asm.samples_failed - before['failed']} failed, {asm.groups_filtered - before['filtered']} "
+            f"{a.samples_failed - before['failed']} failed, {a.groups_filtered - before['filtered']} "
             f"groups filtered, {ctrl.buffer.num_queued_tasks()} tasks queued")
 
 
 def stall_report(ctrl, before: dict) -> str:
     """Why no batch could form: what happened to the samples of this step, with an example."""
-    asm = ctrl.asm
-    failed, filtered = asm.samples_failed - before["failed"], asm.groups_filtered - before["filtered"]
+    assembler = ctrl.assembler
+    failed, filtered = (assembler.samples_failed - before["failed"],
+                        assembler.groups_filtered - before["filtered"])
     msg = (f"{ctrl.buffer.who}: no new group became ready for {ctrl.cfg.timeout_s:.0f}s "
-           f"({asm.num_ready()} of {ctrl.cfg.batch_groups} ready); this step so far: "
+           f"({assembler.num_ready()} of {ctrl.cfg.batch_groups} ready); this step so far: "
            f"{len(ctrl.step_rewards)} samples arrived, {failed} failed, {filtered} groups filtered "
-           f"(all rewards equal), {asm.samples_dropped_stale - before['stale']} dropped as stale")
-    if failed and asm.last_failed is not None:
-        msg += f"; a failed sample: {asm.last_failed.meta.get('error', '?')}"
-    elif filtered and asm.last_filtered:
-        msg += (f"; a filtered group: rewards {[x.reward for x in asm.last_filtered]} "
+           f"(all rewards equal), {assembler.samples_dropped_stale - before['stale']} dropped as stale")
+    if failed and assembler.last_failed is not None:
+        msg += f"; a failed sample: {assembler.last_failed.meta.get('error', '?')}"
+    elif filtered and assembler.last_filtered:
+        msg += (f"; a filtered group: rewards {[x.reward for x in assembler.last_filtered]} "
                 f"(every sample of a group scored alike: the task too hard or too easy for the model?)")
     elif not ctrl.step_rewards and not failed:
         msg += "; nothing arrived at all: are the rollout ranks alive and pulling tasks?"
@@ -254,7 +255,7 @@ def stall_report(ctrl, before: dict) -> str:
 def spin_report(ctrl, before: dict, tail: str = "") -> str:
     """Dynamic filtering that keeps resampling: how many of this step's groups it dropped, and why."""
     mean = sum(ctrl.step_rewards) / max(len(ctrl.step_rewards), 1)
-    return (f"{ctrl.asm.groups_filtered - before['filtered']} groups completed in step "
+    return (f"{ctrl.assembler.groups_filtered - before['filtered']} groups completed in step "
             f"{ctrl.version - ctrl.version0 + 1} had all-equal rewards (reward mean {mean:.3f}: the task is "
             f"too hard or too easy for the model) {tail}").rstrip()
 

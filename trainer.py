@@ -88,13 +88,13 @@ class TrainConfig(losses.LossConfig):
                                            else "on" if gpu else "off"))
 
 
-def add_gap(gap: dict, t: dict, trainer_logp: torch.Tensor):
+def add_gap(gap: dict, mb: dict, trainer_logp: torch.Tensor):
     """Accumulate |engine - trainer| logprob over the micro-batch's response tokens, for all samples
     and for the on-policy ones (gap: {"all": [sum, tokens], "on_policy": [sum, tokens]})."""
-    diff = (t["old_logp"] - trainer_logp).abs() * t["mask"]                   # [B, T]
-    for key, rows in (("all", torch.ones_like(t["on_policy"])), ("on_policy", t["on_policy"])):
+    diff = (mb["old_logp"] - trainer_logp).abs() * mb["mask"]                   # [B, T]
+    for key, rows in (("all", torch.ones_like(mb["on_policy"])), ("on_policy", mb["on_policy"])):
         gap[key][0] += diff[rows].sum().item()
-        gap[key][1] += t["mask"][rows].sum().item()
+        gap[key][1] += mb["mask"][rows].sum().item()
 
 
 class Weights:
@@ -187,7 +187,7 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         plan = self._plan(samples, advantages, version)     # [mini-batch][micro-batch] -> tensors
-        for micro in (t for mini in plan for t in mini):
+        for micro in (mb for mini in plan for mb in mini):
             self.prepare(micro)
         lr = self.set_lr()
         gap = {"all": [0.0, 0.0], "on_policy": [0.0, 0.0]}    # sum |logp_engine - logp_trainer|, tokens
@@ -196,10 +196,11 @@ class Trainer:
             for j, mini in enumerate(plan):
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {"loss": 0.0}
-                for t in mini:
+                for mb in mini:
                     # weights: the step's loss is the mini-batch's mean over every rank (_plan)
-                    self.forward_backward(t, t["weight"], sums, gap if epoch == 0 and (j == 0 or "pre" in t)
-                                          else None, grad_weight=t["grad_weight"])
+                    first = epoch == 0 and (j == 0 or "pre" in mb)      # (the gap: before any update)
+                    self.forward_backward(mb, mb["weight"], sums, gap if first else None,
+                                          grad_weight=mb["grad_weight"])
                 self.update_metrics.append({**sums, "grad_norm": self.clip_and_step()})
         self.num_steps += 1
         return self.step_metrics(lr, gap)
@@ -213,30 +214,30 @@ class Trainer:
         return lr
 
     @torch.no_grad()
-    def prepare(self, t: dict):
-        """What micro-batch t needs from the weights before any update: the trainer's own logprobs
+    def prepare(self, mb: dict):
+        """What micro-batch mb needs from the weights before any update: the trainer's own logprobs
         (`pre`) when the loss needs them, --kl-coef's reference logprobs."""
         cfg = self.cfg
         if losses.LOSSES[cfg.loss].needs_prox or cfg.recompute_old_logprobs or cfg.is_correction != "none":
-            t["pre"] = self.logprobs(t)
+            mb["pre"] = self.logprobs(mb)
         if cfg.kl_coef > 0:
-            t["ref"] = self.ref_logprobs(t)
+            mb["ref"] = self.ref_logprobs(mb)
 
-    def forward_backward(self, t: dict, weight: float, sums: dict, gap: dict | None = None,
+    def forward_backward(self, mb: dict, weight: float, sums: dict, gap: dict | None = None,
                          grad_weight: float | None = None):
         """One micro-batch: the loss's gradient times `grad_weight` (default `weight`) accumulated into
         .grad; its metrics times `weight` added to `sums`; with `gap`, the engine/trainer logprob gap before
         any update."""
         cfg = self.cfg
         entropy = []
-        logp = self.logprobs(t, entropy)                                      # [B, T], with grad
+        logp = self.logprobs(mb, entropy)                                      # [B, T], with grad
         if gap is not None:                                   # trainer logprobs before any update: the gap
-            add_gap(gap, t, t.get("pre", logp.detach()))
-        loss, m = losses.compute_policy_loss(logp, t["old_logp"], t["adv"], t["mask"], cfg.loss,
-                                             prox_logp=t.get("pre"), fields=t["fields"],
+            add_gap(gap, mb, mb.get("pre", logp.detach()))
+        loss, m = losses.compute_policy_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], cfg.loss,
+                                             prox_logp=mb.get("pre"), fields=mb["fields"],
                                              ref_prox=cfg.recompute_old_logprobs, **cfg.loss_kwargs())
         if cfg.kl_coef > 0:
-            kl, kl_m = losses.kl_penalty(logp, t["ref"], t["mask"], agg=cfg.agg)
+            kl, kl_m = losses.kl_penalty(logp, mb["ref"], mb["mask"], agg=cfg.agg)
             loss = loss + cfg.kl_coef * kl
             m.update(kl_m)
         m["entropy"] = (entropy[0].sum() / max(len(entropy[0]), 1)).item()   # over the mask
@@ -274,21 +275,21 @@ class Trainer:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # (Linux: KiB)
         return {"optimizer_state_mb": state / 1e6, "mem_peak_gb": peak / 1e9}
 
-    def logprobs(self, t: dict, entropy: list | None = None) -> torch.Tensor:
+    def logprobs(self, mb: dict, entropy: list | None = None) -> torch.Tensor:
         """The policy's logprobs [B, T] of micro-batch t's tokens at its loss mask (0 elsewhere), at the
         sampling temperature."""
-        return token_logprobs(self.net, t["input_ids"], t["attn"], t["mask"], entropy=entropy,
+        return token_logprobs(self.net, mb["input_ids"], mb["attn"], mb["mask"], entropy=entropy,
                               temperature=self.temperature)
 
     @torch.no_grad()
-    def ref_logprobs(self, t: dict) -> torch.Tensor:
+    def ref_logprobs(self, mb: dict) -> torch.Tensor:
         """--kl-coef's reference logprobs [B, T] (the initial model; a switchable Weights: this model with
         them off)."""
         if self.ref_net is not None:
-            return token_logprobs(self.ref_net, t["input_ids"], t["attn"], t["mask"],
+            return token_logprobs(self.ref_net, mb["input_ids"], mb["attn"], mb["mask"],
                                   temperature=self.temperature)
         with self.weights.off(self.model):
-            return self.logprobs(t)
+            return self.logprobs(mb)
 
     def _plan(self, samples, advantages, version) -> list[list[dict]]:
         """This rank's samples as mini-batches of collated micro-batches, each with its loss weight.
@@ -324,17 +325,17 @@ class Trainer:
         # its count over the mini-batch's count on all ranks, the sum is the mini-batch's mean over every
         # rank. FSDP averages the ranks' gradients (1 / world), so the gradient's weight is world times that.
         # (The rank's own count instead would weigh a rank of 30 tokens beside one of 700 23x too much.)
-        for t in (t for mini in plan for t in mini):
-            t["count"] = losses.agg_count(t["mask"], cfg.agg)                   # (0 for an empty one)
-        local = torch.tensor([float(sum(t["count"] for t in mini)) for mini in plan], dtype=torch.float64,
+        for mb in (mb for mini in plan for mb in mini):
+            mb["count"] = losses.agg_count(mb["mask"], cfg.agg)                   # (0 for an empty one)
+        local = torch.tensor([float(sum(mb["count"] for mb in mini)) for mini in plan], dtype=torch.float64,
                              device=self.device)                                 # [mini-batches]
         total = local.clone()
         if self.fsdp:
             dist.all_reduce(total, group=self.group)
         for mini, own, every in zip(plan, local.tolist(), total.tolist()):
-            for t in mini:
-                t["weight"] = t["count"] / max(own, 1.0)        # the metrics: this rank's own mean
-                t["grad_weight"] = t["count"] * self.world / max(every, 1.0)
+            for mb in mini:
+                mb["weight"] = mb["count"] / max(own, 1.0)        # the metrics: this rank's own mean
+                mb["grad_weight"] = mb["count"] * self.world / max(every, 1.0)
         return plan
 
     def micro(self, samples, advantages: list[float], version) -> dict:
@@ -342,15 +343,15 @@ class Trainer:
         per-token fields (losses.Fields; lag behind `version`), and the advantages every losses.ADV_SHAPERS
         entry made of the samples' own."""
         batch = samples or [EMPTY]
-        t = collate(batch, self.device, version)
-        t["fields"] = losses.Fields(t["fields"], t["mask"])
-        t["adv"] = torch.tensor(list(advantages) or [0.0], dtype=torch.float32, device=self.device)
-        t["on_policy"] = torch.tensor([version is not None and bool(s.versions)
+        mb = collate(batch, self.device, version)
+        mb["fields"] = losses.Fields(mb["fields"], mb["mask"])
+        mb["adv"] = torch.tensor(list(advantages) or [0.0], dtype=torch.float32, device=self.device)
+        mb["on_policy"] = torch.tensor([version is not None and bool(s.versions)
                                        and all(v == version for v in s.versions) for s in batch],
                                       device=self.device)
         for name, shape in losses.ADV_SHAPERS.items():
-            t["adv"] = shape(t, self.cfg.hparams.get(name))
-        return t
+            mb["adv"] = shape(mb, self.cfg.hparams.get(name))
+        return mb
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -51,10 +51,10 @@ class GradStream:
 
     def micro(self, samples, advantages: list[float]):
         """One forward/backward; no samples: an empty one (FSDP: every rank runs every pass)."""
-        t = self.tr.micro(samples, advantages, self.version)
-        self.tr.prepare(t)
-        num = agg_count(t["mask"], self.tr.cfg.agg)          # its tokens (or sequences); 0 for an empty one
-        self.tr.forward_backward(t, float(num), self.sums, self.gap)    # unnormalised
+        mb = self.tr.micro(samples, advantages, self.version)
+        self.tr.prepare(mb)
+        num = agg_count(mb["mask"], self.tr.cfg.agg)          # its tokens (or sequences); 0 for an empty one
+        self.tr.forward_backward(mb, float(num), self.sums, self.gap)    # unnormalised
         self.den += num
 
     def step(self) -> dict:

@@ -102,7 +102,7 @@ class TailBatching(Admission):
     async def end_step(self, ctrl) -> dict:
         """Abort the groups that had their alpha + 1 versions and are not complete; a short round's prompts
         go to the long queue, a long round's are dropped."""
-        ready = {g[0].group_id for g in ctrl.asm.ready}
+        ready = {g[0].group_id for g in ctrl.assembler.ready}
         overdue = self.overdue(ctrl.version, [g for g in ctrl.problem_of if g not in ready])
         for gid, problem in zip(overdue, await ctrl.give_up(overdue)):
             self.give_up(gid, problem)
@@ -112,7 +112,8 @@ class TailBatching(Admission):
 
     def counters(self, ctrl) -> dict:
         return {"prompts_deferred": self.deferred, "prompts_long_dropped": self.long_dropped,
-                "groups_deferred": ctrl.asm.groups_deferred, "samples_deferred": ctrl.asm.samples_deferred,
+                "groups_deferred": ctrl.assembler.groups_deferred,
+                "samples_deferred": ctrl.assembler.samples_deferred,
                 "long_queue": len(self.long_queue)}
 
     def state(self, ctrl) -> dict:

@@ -511,7 +511,7 @@ def test_an_aborted_trajectory_sends_nothing_and_leaves_no_session(tiny_tok):
                 await asyncio.sleep(0.01)
         await buf.send_command(0, Command(Cmd.STOP))
         stats = await asyncio.wait_for(run, 60)
-        left = buf.t.get_many_nowait("samples", 100)
+        left = buf.transport.get_many_nowait("samples", 100)
         await endpoint.close_server()
         return stats, left
     stats, left = asyncio.run(main())

@@ -41,7 +41,7 @@ def test_admission_bounded_by_async_ratio(async_ratio, start_version):
         assert await c.admit() == 4                           # one more batch per batch trained
         next_step(c, 1)
         assert await c.admit() == 1                           # a short step: one group, one place
-        c.asm.groups_filtered += 2                            # lost groups free their places
+        c.assembler.groups_filtered += 2                            # lost groups free their places
         assert await c.admit() == 2
     asyncio.run(main())
 
@@ -78,7 +78,7 @@ def test_sync_timeout_names_the_rank_that_did_not_ack():
         c = controller(timeout_s=0.2)
         out = await c.sync_weights(1, send_fn=lambda group: None)
         assert c.version == 1 and "sync_probe_max_diff" not in out      # nothing earlier to report
-        sent = [c.buffer.t.get_many_nowait("commands", 9, r) for r in (0, 1)]
+        sent = [c.buffer.transport.get_many_nowait("commands", 9, r) for r in (0, 1)]
         assert [[(m.kind, m.version) for m in cmds] for cmds in sent] == [[(Cmd.SYNC, 1)]] * 2
         # rank 0 answers, rank 1 never
         await c.buffer.put_ack(Ack(0, Phase.SYNCED, 1, engine={"busy_s": 1.0, "idle_s": 1.0},
@@ -135,12 +135,12 @@ def test_a_group_lost_twice_is_counted_once_and_its_running_samples_are_aborted(
     async def main():
         c = controller(async_ratio=0, batch_groups=1, group_size=2)
         await c.admit()
-        c.buffer.t.get_many_nowait("tasks", 100)
+        c.buffer.transport.get_many_nowait("tasks", 100)
         stale = Sample("g0.0", "g0", [1], [2], [-1.0], [1], [-5], 1.0)       # a token from long ago: stale
-        c.asm.add(stale, c.version)
+        c.assembler.add(stale, c.version)
         gave_up = Sample("g0.1", "g0", [1], [], [], [], [], 0.0, failed=True, meta={"retrying": False})
-        c.asm.add(gave_up, c.version)
-        assert c.asm.groups_dropped_stale + c.asm.groups_failed == 1
+        c.assembler.add(gave_up, c.version)
+        assert c.assembler.groups_dropped_stale + c.assembler.groups_failed == 1
         # a live group given up on, through collect(): its siblings are aborted on every rank
         c2 = controller(async_ratio=1, batch_groups=1, group_size=3, timeout_s=0.3)
         await c2.admit()
@@ -148,7 +148,7 @@ def test_a_group_lost_twice_is_counted_once_and_its_running_samples_are_aborted(
                                            meta={"retrying": False, "error": "gave up"})])
         with pytest.raises(TimeoutError):
             await c2.collect()
-        return [c2.buffer.t.get_many_nowait("commands", 9, r) for r in (0, 1)]
+        return [c2.buffer.transport.get_many_nowait("commands", 9, r) for r in (0, 1)]
     sent = asyncio.run(main())
     for cmds in sent:
         assert [(m.kind, m.group_ids) for m in cmds] == [(Cmd.ABORT_GROUPS, ["g0"])]
@@ -174,23 +174,24 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
         open_tasks, admitted, taken, lost, rng = [], set(), set(), set(), random.Random(0)
 
         def outstanding():    # (lost accumulates: the assembler forgets long-resolved ids)
-            lost.update(c.asm.dead | (c.asm.closed - {g[0].group_id for g in c.asm.ready} - taken))
+            ready = {g[0].group_id for g in c.assembler.ready}
+            lost.update(c.assembler.dead | (c.assembler.closed - ready - taken))
             return len(admitted - taken - lost)
         for ev in [("admit",)] + events:
             await c.admit()
-            new = c.buffer.t.get_many_nowait("tasks", 10**6)
+            new = c.buffer.transport.get_many_nowait("tasks", 10**6)
             open_tasks += new
             admitted |= {t.group_id for t in new}
             assert outstanding() <= (async_ratio + 1) * B + redundant
             if ev[0] == "admit":
                 continue
             if ev[0] == "step":
-                if c.asm.num_ready() >= B:            # a training step: B groups taken, version + 1
+                if c.assembler.num_ready() >= B:            # a training step: B groups taken, version + 1
                     outstanding()                         # (what was lost so far, before it is forgotten)
-                    taken |= {g[0].group_id for g in c.asm.take(B, c.version)}
+                    taken |= {g[0].group_id for g in c.assembler.take(B, c.version)}
                     c.groups_taken += B
                     c.version += 1
-                    c.asm.evict_stale(c.version)
+                    c.assembler.evict_stale(c.version)
                 continue
             if not open_tasks:
                 continue
@@ -199,7 +200,7 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
             if kind != "failed":                      # a failed attempt is retried: the task stays open
                 open_tasks.remove(t)
             versions = [c.version - async_ratio - 1] if kind == "stale" else [c.version]
-            c.asm.add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], versions,
+            c.assembler.add(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], versions,
                              float(rng.random() < 0.5), failed=kind in ("failed", "gave_up"),
                              meta={"retrying": kind == "failed"}), c.version)
     asyncio.run(main())

@@ -77,7 +77,7 @@ async def stop_all(buf, managers, runs):
     for m in managers:
         await buf.send_command(m.rank, Command(Cmd.STOP))
     stats = await asyncio.wait_for(asyncio.gather(*runs), 60)
-    acks = buf.t.get_many_nowait("acks", 1000)
+    acks = buf.transport.get_many_nowait("acks", 1000)
     stopped = [a for a in acks if a.phase == Phase.STOPPED]
     assert sorted(a.rank for a in stopped) == sorted(m.rank for m in managers)
     assert all(a.phase in (Phase.READY, Phase.SYNCED) for a in acks if a not in stopped)
@@ -566,7 +566,7 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
             if meta:
                 seen.update(status=m.proxy.status, loads=m.proxy.engine.num_loads, meta=meta,
                             first_rank=first_rank, tokens_during=m.proxy.num_tokens - tokens,
-                            acks_sent=len(acks) + buf.t.qsize("acks"))
+                            acks_sent=len(acks) + buf.transport.qsize("acks"))
         m.proxy.engine.receive_weights = watched
         run = asyncio.create_task(m.run())
         await buf.put_tasks([add_task("busy", "g0", target_len=500)])     # work in flight across the update

@@ -148,7 +148,7 @@ def test_prompts_that_cannot_fit_the_context_are_refused_at_admission_and_counte
     async def main():
         c, logged = controller()
         await c.admit()
-        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        tasks = c.buffer.transport.get_many_nowait("tasks", 100)
         return c, logged, tasks
     c, logged, tasks = asyncio.run(main())
     assert {t.problem.prompt for t in tasks} == {"short", "ok"}          # 50 and 80 characters > 20 tokens
@@ -175,7 +175,7 @@ def test_a_prompt_with_a_character_the_tokenizer_lacks_is_refused_naming_it():
                             prompt_len=lambda p: len(fmt.first(p.prompt)), max_model_len=64,
                             log=logged.append)
         await c.admit()
-        return c, logged, [t.problem.prompt for t in c.buffer.t.get_many_nowait("tasks", 10)]
+        return c, logged, [t.problem.prompt for t in c.buffer.transport.get_many_nowait("tasks", 10)]
     c, logged, prompts = asyncio.run(main())
     assert prompts == ["1+1=", "1+1="] and c.prompts_rejected == 1
     assert "no token for 'é'" in logged[0] and "'2+2=é'" in logged[0]
@@ -221,18 +221,18 @@ def test_prompts_in_flight_at_a_checkpoint_are_admitted_again_after_resume():
     async def main():
         c, _ = controller(max_model_len=0)
         await c.admit()                                          # 2 groups (batch 2, ratio 0)
-        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        tasks = c.buffer.transport.get_many_nowait("tasks", 100)
         g0 = [t for t in tasks if t.group_id == "g0"]
         for t, r in zip(g0, (0.0, 1.0)):                        # g0 completes and is trained; g1 does not
-            c.asm.add(Sample(t.task_id, "g0", [1], [2], [-1.0], [1], [0], r), 0)
-        for g in c.asm.take(1, 0):
+            c.assembler.add(Sample(t.task_id, "g0", [1], [2], [-1.0], [1], [0], r), 0)
+        for g in c.assembler.take(1, 0):
             c.problem_of.pop(g[0].group_id)
         saved = [p.prompt for p in c.in_flight_problems()]
         c2, _ = controller(max_model_len=0)
         c2.problems = iter([Problem(f"new{i}", "0") for i in range(100)])
         c2.readmit.extend(c.in_flight_problems())
         await c2.admit()
-        again = [t.problem.prompt for t in c2.buffer.t.get_many_nowait("tasks", 100)]
+        again = [t.problem.prompt for t in c2.buffer.transport.get_many_nowait("tasks", 100)]
         return saved, again
     saved, again = asyncio.run(main())
     assert saved == ["short"]                                    # g1's prompt (g0's was trained)
@@ -321,7 +321,7 @@ def test_an_evaluation_round_is_scored_apart_from_training():
         c, _ = controller(max_model_len=0)
         ev = Evaluation(c)
         await ev.start([Problem("a", "1"), Problem("b", "2")], k=2)
-        tasks = c.buffer.t.get_many_nowait("tasks", 100)
+        tasks = c.buffer.transport.get_many_nowait("tasks", 100)
         assert sorted(t.eval_temperature for t in tasks) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
         right = {"eval0.0.greedy": 1.0, "eval0.0.t0": 1.0, "eval0.0.t1": 0.0, "eval0.1.greedy": 0.0,
                  "eval0.1.t0": 1.0}
@@ -334,7 +334,7 @@ def test_an_evaluation_round_is_scored_apart_from_training():
             assert ev.result() == {}
             await ev.tap(Sample(t.task_id, t.group_id, [1], [2], [-1.0], [1], [0], right[t.task_id],
                                 meta={"eval": True}))
-        return ev.result(), ev.result(), c.asm.num_ready() + len(c.asm.pending)
+        return ev.result(), ev.result(), c.assembler.num_ready() + len(c.assembler.pending)
     done, again, trained = asyncio.run(main())
     assert (done == {"eval_version": 0, "eval_greedy": 0.5, "eval_mean_at_2": 0.5}
             and again == {} and trained == 0)

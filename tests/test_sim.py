@@ -187,9 +187,10 @@ def test_every_admitted_group_ends_in_a_state_the_controller_learns_of(replicate
         work = ({t.group_id for m in managers for t, _ in m.jobs.values()}
                 | {t.group_id for m in managers for t in m.held}
                 | {s.group_id for m in managers for s in m.outbox}
-                | {t.group_id for t in ctrl.buffer.t.queues["tasks"]._queue}
-                | {s.group_id for s in ctrl.buffer.t.queues["samples"]._queue} | set(ctrl.asm.pending)
-                | {g[0].group_id for g in ctrl.asm.ready})
+                | {t.group_id for t in ctrl.buffer.transport.queues["tasks"]._queue}
+                | {s.group_id for s in ctrl.buffer.transport.queues["samples"]._queue}
+                | set(ctrl.assembler.pending)
+                | {g[0].group_id for g in ctrl.assembler.ready})
         leaked.append(len(set(ctrl.problem_of) - work))
         assert ctrl.groups_admitted == ctrl.groups_taken + ctrl._groups_lost() + len(ctrl.problem_of)
     r = sim.simulate(replace(LONG_TAIL, replicate=replicate), observe=observe)
@@ -232,7 +233,8 @@ def test_short_steps_keep_the_admission_bound(alpha):
 
         async def admit_and_count(at_least=0):
             n = await admit(at_least)
-            lost = ctrl.asm.groups_filtered + sum(getattr(ctrl.asm, f"groups_{why}") for why in Lost)
+            a = ctrl.assembler
+            lost = a.groups_filtered + sum(getattr(a, f"groups_{why}") for why in Lost)
             held.append(ctrl.groups_admitted - lost - ctrl.taken_before_step)
             queued.append(ctrl.buffer.num_queued_tasks())
             return n

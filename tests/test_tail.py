@@ -64,7 +64,7 @@ def check_every_prompt_accounted(ctrl, ledger):
     kept = ctrl.admission.state(ctrl)
     waiting = [p.prompt for p in kept["in_flight"] + kept["long_queue"]]
     assert len(waiting) == len(set(waiting)) and not set(waiting) & set(trained)
-    asm, tb = ctrl.asm, ctrl.admission
+    asm, tb = ctrl.assembler, ctrl.admission
     lost = asm.groups_filtered + asm.groups_failed + asm.groups_dropped_stale + tb.long_dropped
     assert ctrl.groups_drawn == len(trained) + lost + len(waiting)
     assert asm.groups_deferred == tb.deferred + tb.long_dropped     # (both given up on by defer())
@@ -127,11 +127,11 @@ def test_the_long_queue_survives_a_resume():
     assert not trained_before & set(trained_after)                     # nothing trained again
     kept2 = ctrl2.admission.state(ctrl2)
     waiting = {q.prompt for q in kept2["in_flight"] + kept2["long_queue"]}
-    filtered = {second.gid_prompt[g] for g in ctrl2.asm.closed} - set(trained_after)
+    filtered = {second.gid_prompt[g] for g in ctrl2.assembler.closed} - set(trained_after)
     for p in long:         # trained in a long round, or filtered there (all rewards equal), or still queued
         assert trained_after.get(p) == "long" or p in filtered or p in waiting, p
     assert sum(trained_after.get(p) == "long" for p in long) >= 1
-    asm = ctrl2.asm
+    asm = ctrl2.assembler
     lost = asm.groups_filtered + asm.groups_failed + asm.groups_dropped_stale
     assert ctrl2.groups_drawn + len(in_flight) + len(long) == len(trained_after) + lost + len(waiting)
 
@@ -169,7 +169,7 @@ def test_extra_samples_per_prompt_keep_the_first_group_size_and_abort_the_rest()
     ledger = Ledger()
     r, ctrl = run(replace(TINY, tail_extra_samples=2, steps=6), ledger)
     assert all(row["num_samples"] == 16 and row["staleness_max"] == 0 for row in r["rows"])
-    assert ctrl.asm.samples_surplus + r["rows"][-1]["tokens_aborted"] > 0
+    assert ctrl.assembler.samples_surplus + r["rows"][-1]["tokens_aborted"] > 0
     check_every_prompt_accounted(ctrl, ledger)
 
 
