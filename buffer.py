@@ -68,6 +68,8 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
+        """The policy version of its oldest token (none: the version it was admitted under), as
+        proxy.Completion's and rollout.Trajectory's: what the freshness rule judges."""
         return min(self.versions) if self.versions else self.admit_version
 
     @property

@@ -80,6 +80,8 @@ class Completion:
 
     @property
     def oldest_version(self) -> int:
+        """The policy version of its oldest token (no token yet: the version it was submitted under), as
+        buffer.Sample's and rollout.Trajectory's: what the freshness rule judges."""
         return min(self.versions) if self.versions else self.submit_version
 
 

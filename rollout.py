@@ -293,6 +293,8 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int:
+        """The policy version of its oldest token (none yet: the version it started under), as
+        buffer.Sample's and proxy.Completion's (versions only grow along a trajectory: its first token's)."""
         return self.versions[0] if self.versions else self.start_version
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
