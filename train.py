@@ -124,9 +124,11 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
 # the trainer ranks and the rollout ranks
 
 
-def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
-                base_dir: str):
-    from transformers import AutoTokenizer
+def trainer_ranks(cfg: Config, exts, rank: int, device: str, group, model_dir: str, state, base_dir: str,
+                  tokenizer, mailbox=None, model_built=lambda: None, **where) -> TrainerRanks:
+    """This trainer rank's Trainer in lockstep with the others (TrainerRanks: mailbox, the store their ops are
+    posted on), with its weight sender (the transport's; where: the sender's host, port, store, prefix).
+    model_built() runs once the model is built, before the sender is made."""
     timeout, transport = cfg.controller.timeout_s, TRANSPORTS[cfg.weight_transport]
     trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device,
                       weights=exts.first("trainer_weights"), ref_dir=base_dir,   # (--kl-coef's reference)
@@ -134,28 +136,23 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     if state:
         trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
         trainer.num_steps = state["step"]
-    if getattr(transport, "engines_after_trainers", False):   # engines start once the trainers hold models
-        collective("the trainer ranks' models built, before the engines start", dist.barrier)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
+    model_built()
     # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
     ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir, tokenizer.encode(PROBE_TEXT),
-                         store=dist.PrefixStore(f"{attempt}/trainer-ranks", store), timeout_s=timeout)
+                         store=mailbox, timeout_s=timeout)
     ranks.after_train = [e.after_train for e in exts]
     ranks.probe_due = lambda v: cfg.check_sync_every > 0 and v % cfg.check_sync_every == 0
-    # the weights go to the engines by the transport's senders (rank 0's, or every rank's), over the default
-    # group's store; engines receive in their own dtype
-    ranks.sender = transport.sender(rank, "nccl" if device.startswith("cuda") else "gloo",
-                                    host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
-                                    store=store, prefix=attempt, device=device, timeout_s=timeout,
-                                    bucket_bytes=cfg.bucket_mb << 20)
+    # the weights go to the engines by the transport's senders (rank 0's, or every rank's); engines receive
+    # in their own dtype
+    ranks.sender = transport.sender(rank, "nccl" if device.startswith("cuda") else "gloo", device=device,
+                                    timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20, **where)
     ranks.every_rank_sends = transport.every_rank
-    if rank != 0:
-        gc.freeze()          # start-up's objects out of the collector's sight (run_rollout says why)
-        return ranks.follow()
+    return ranks
 
-    buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus, bind=queue_bind()),
-                          "trainer rank 0", timeout)
+
+def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer, tokenizer, state):
+    """Trainer rank 0's side of the run: the controller (admission, collection, the weight sync), the run's
+    record, how a step's groups train, and the weights' send. -> (ctrl, log, backend, send, meta)."""
     problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
@@ -172,8 +169,40 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
     backend = (exts.first("train_backend", ranks, ranks.probe_due)        # (every trainer rank, in lockstep)
                or WholeBatch(ranks.train, cfg.controller.group_size, cfg.train.adv_estimator,
                              before=[functools.partial(e.before_train, ctrl) for e in exts]))
-    meta = weight_meta(trainer.named_weights(), cfg.rollout.dtype)
-    send = functools.partial(ranks.send_weights, meta=meta)
+    meta = weight_meta(ranks.trainer.named_weights(), cfg.rollout.dtype)
+    return ctrl, log, backend, functools.partial(ranks.send_weights, meta=meta), meta
+
+
+def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokenizer, index: int,
+                restart_engine=None) -> EnvManager:
+    """A rollout rank's EnvManager over its proxy, with what the extensions bring: a dead engine's
+    replacement (given restart_engine), env faults, a verifier pool, an adaptive env deadline."""
+    wrappers = exts.call("env_wrapper", index)          # (injected faults)
+    return EnvManager(proxy, buffer, tokenizer, index, cfg.rollout, sync_timeout_s=cfg.controller.timeout_s,
+                      probe_ids=tokenizer.encode(PROBE_TEXT),
+                      recovery=exts.first("engine_recovery", restart_engine) if restart_engine else None,
+                      env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
+                      if wrappers else None, scorer=exts.first("scorer"), deadline=exts.first("env_deadline"))
+
+
+def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
+                base_dir: str):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
+    def model_built():              # (ipc: the engines start once the trainers hold their models)
+        if getattr(TRANSPORTS[cfg.weight_transport], "engines_after_trainers", False):
+            collective("the trainer ranks' models built, before the engines start", dist.barrier)
+    ranks = trainer_ranks(cfg, exts, rank, device, group, model_dir, state, base_dir, tokenizer,
+                          mailbox=dist.PrefixStore(f"{attempt}/trainer-ranks", store),
+                          model_built=model_built, host=os.environ["MASTER_ADDR"],
+                          port=int(os.environ["MASTER_PORT"]), store=store, prefix=attempt)
+    if rank != 0:
+        gc.freeze()          # start-up's objects out of the collector's sight (run_rollout says why)
+        return ranks.follow()
+    buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus, bind=queue_bind()),
+                          "trainer rank 0", cfg.controller.timeout_s)
+    ctrl, log, backend, send, meta = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
     gc.freeze()              # (as run_rollout's: 2 full collections of ~0.3 s in 40 default steps)
     try:
         asyncio.run(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, meta,
@@ -193,7 +222,6 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
     if getattr(TRANSPORTS[cfg.weight_transport], "engines_after_trainers", False):   # (before the queues)
         collective("the trainer ranks' models built, before the engines start", dist.barrier)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    probe = tokenizer.encode(PROBE_TEXT)
     pin_engine_gpu(device)            # GPU: the engine's processes see only this rank's GPU
     engine = dict(seed=cfg.train.seed + index, cpu_cores=engine_core, max_num_seqs=rc.max_concurrency,
                   max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_gib=rc.kv_cache_gib,
@@ -220,18 +248,13 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
             except TimeoutError as e:
                 raise TimeoutError(f"{e}; the wait is --startup-timeout-s") from None
             buffer = SampleBuffer(queues, who, timeout)
-            await proxy.generate(probe, Sampling(max_tokens=2))      # warm-up: the first request pays once
+            await proxy.generate(tokenizer.encode(PROBE_TEXT), Sampling(max_tokens=2))   # warm-up: paid once
             # torch, transformers and vLLM leave ~600k objects that live as long as the process, and
             # every full collection walks them all (~0.3 s each: measured 8 in 40 default steps, a
             # quarter of this rank's CPU); frozen, the collector walks only what the run makes
             gc.freeze()
             exts.call("on_proxy", proxy, index, t)              # (the timeline's recorder)
-            wrappers = exts.call("env_wrapper", index)          # (injected faults)
-            await EnvManager(proxy, buffer, tokenizer, index, rc, sync_timeout_s=timeout, probe_ids=probe,
-                             recovery=exts.first("engine_recovery", restart_engine),
-                             env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
-                             if wrappers else None, scorer=exts.first("scorer"),
-                             deadline=exts.first("env_deadline")).run()
+            await env_manager(cfg, exts, proxy, buffer, tokenizer, index, restart_engine).run()
         finally:
             proxy.shutdown()
 
