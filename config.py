@@ -123,6 +123,9 @@ class Extension:
     def startup_lines(self, model_dir: str, device: str) -> str | None:
         """Text rank 0 prints at start-up (the memory plan)."""
 
+    def one_process_engine(self, model_dir: str, cfg):
+        """python train.py without torchrun: the engine of the one-process run (ext/torch_engine.py's)."""
+
     # --- trainer ranks
     def trainer_weights(self):
         """What the trainer trains, syncs and saves, if not the whole model (trainer.Weights)."""

@@ -75,8 +75,8 @@ class RunLog:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
         start-up waits for, again every 15 s; then the "rollout ready" line."""
         n = self.cfg.rollout_gpus
-        print0(f"starting {n} vLLM engine{'s' if n > 1 else ''} and warming up "
-               f"(about 30 s on a 2-core CPU) ...")
+        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (vLLM's: about 30 s on a 2-core "
+               f"CPU) ...")
         task = asyncio.ensure_future(awaitable)
         while not (await asyncio.wait({task}, timeout=15.0))[0]:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")

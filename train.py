@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 40 train.py --rollout-gpus 24 --train-gpus 16 --model DIR --data FILE   # GPUs
     torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1   # this CPU box
     bash run.sh                                   # the same, after setting everything up
+    python train.py --steps 40                    # no torchrun: the whole system in one process, to step
+                                                  # through (docs/tour.md); no vLLM needed
 
 Ranks [0, train_gpus) train (FSDP2 over the trainer group: NCCL on GPU, gloo on CPU); each other rank
 runs one vLLM engine behind an LLMProxy and an EnvManager that pulls work. Trainer rank 0 also runs
@@ -21,14 +23,16 @@ import functools
 import gc
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import ext
-from buffer import ManagerQueues, SampleBuffer, die_with_parent, queue_bind
+from buffer import LocalQueues, ManagerQueues, SampleBuffer, die_with_parent, queue_bind
 from config import Extensions, check, extensions, opt, parse_cli, part
 from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
 from env_manager import EnvManager, RolloutConfig
@@ -262,22 +266,86 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
 
 
 # ---------------------------------------------------------------------------------------------
+# the whole system in one process: python train.py, no torchrun (docs/tour.md steps through it)
+
+
+ONE_PROCESS = ("train.py: one process (no torchrun): the controller, one env manager and the trainer on one "
+               "event loop, with a plain-torch engine (ext/torch_engine.py) in vLLM's place; rollout and "
+               "training take turns here. The real system: bash run.sh, or torchrun --nproc-per-node 2 "
+               "train.py --rollout-gpus 1 --train-gpus 1")
+
+
+def one_process_config(cfg: Config) -> Config:
+    """The one-process run's settings: one engine and one trainer rank, the weights handed over in process."""
+    print(ONE_PROCESS, flush=True)
+    if cfg.rollout_gpus != 1 or cfg.train_gpus != 1:
+        sys.exit(f"train.py: one process runs one engine and one trainer (--rollout-gpus 1 --train-gpus 1), "
+                 f"not {cfg.rollout_gpus} and {cfg.train_gpus}: launch with torchrun for more, e.g.\n"
+                 f"  torchrun --nproc-per-node {cfg.rollout_gpus + cfg.train_gpus} train.py --rollout-gpus "
+                 f"{cfg.rollout_gpus} --train-gpus {cfg.train_gpus}")
+    if cfg.weight_transport not in ("auto", "group", "inprocess"):
+        sys.exit(f"train.py: one process hands the weights over in process: --weight-transport "
+                 f"{cfg.weight_transport} needs torchrun")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)      # (engine and trainer take turns on one thread: torch's own threads
+    return dataclasses.replace(cfg, weight_transport="inprocess")      # spin against it, many times slower)
+
+
+def run_one_process(cfg: Config, exts, model_dir: str, state, base_dir: str):
+    """The trainer's side and one rollout rank's side of the run, as train.py's ranks compose them, on one
+    event loop over in-process queues: rl_loop beside the EnvManager, whose engine is the extensions'
+    plain-torch one (ext/torch_engine.py). What differs from the real run: a training step blocks the loop,
+    so rollout waits while the trainer trains (no overlap; the async ratio still lets rollout run ahead
+    between steps, and versions and staleness mean what they mean there); the weights pass in process."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ranks = trainer_ranks(cfg, exts, 0, "cpu", None, model_dir, state, base_dir, tokenizer)
+    buffer = SampleBuffer(LocalQueues(1), "one process", cfg.controller.timeout_s)
+    ctrl, log, backend, send, meta = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
+    engine = exts.first("one_process_engine", model_dir, cfg)
+    if engine is None:
+        sys.exit("train.py: no engine for one process (ext/torch_engine.py is missing): launch with torchrun")
+    proxy = LLMProxy(engine, rank=0, timeout_s=cfg.controller.timeout_s)
+    proxy.version = state["version"] if state else 0
+    manager = env_manager(cfg, exts, proxy, buffer, tokenizer, 0)
+
+    async def both():
+        rollout = asyncio.create_task(manager.run(), name="rollout rank 0")
+        training = asyncio.create_task(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, meta,
+                                               ranks.sender.spec(0, 1), state), name="trainer rank 0")
+        done, _ = await asyncio.wait({rollout, training}, return_when=asyncio.FIRST_EXCEPTION)
+        if rollout in done and rollout.exception() is not None:     # a crashed rollout side ends the run
+            training.cancel()
+        await asyncio.gather(training, rollout)       # (rl_loop ends by stopping the env manager)
+    try:
+        asyncio.run(both())
+    finally:
+        log.close()
+        proxy.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
 # launch
 
 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
+    one = "WORLD_SIZE" not in os.environ       # not under torchrun: the whole system in one process
+    if one:
+        cfg = one_process_config(cfg)
     export_startup_timeout(cfg.controller.startup_timeout_s)
     exts = Extensions.start(cfg)
     exts.call("before_launch")        # (library logs at warning level; --dry-run: the memory plan, then exit)
-    die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
+    if not one:
+        die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
     if cfg.model and not state:       # (a resumed run loads its own checkpoint)
         check_model_dir(cfg.model)
     cfg.data.check()                  # (a bad row: its file and line)
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
-    rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
+    rank, world, device, engine_core, trainer_group, store = (0, 1, "cpu", "", None, None) if one else \
+        init_distributed(cfg)
     try:
         base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
         if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)
@@ -285,7 +353,8 @@ def main():
             build = exts.first("embedded_model") or tiny_model.ensure_tiny_model
             if rank == 0:
                 build(log=print0)
-            collective("waiting for rank 0 to build the tiny model", dist.barrier)
+            if not one:
+                collective("waiting for rank 0 to build the tiny model", dist.barrier)
             base_dir = str(build(log=lambda *a: None))
         ckpt = str(Path(cfg.out_dir) / "checkpoint") if state else ""
         # a resumed run starts from its checkpoint (an extension may say otherwise: LoRA's base + adapter)
@@ -300,6 +369,8 @@ def main():
             print0(start_line(cfg, world, model_dir, device, state))
             for lines in exts.call("startup_lines", model_dir, device):        # (the memory plan)
                 print0(lines)
+        if one:
+            return run_one_process(cfg, exts, model_dir, state, base_dir)
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)

@@ -252,4 +252,6 @@ class MemoryPlan(Extension):
         sys.exit(0)
 
     def startup_lines(self, model_dir: str, device: str):
+        if self.cfg.weight_transport == "inprocess":      # (one process: its engine is not vLLM, no plan)
+            return None
         return memory_plan(self.cfg, model_dir, device.startswith("cuda"))

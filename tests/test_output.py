@@ -44,7 +44,7 @@ def test_default_run_output_and_records(tmp_path):
                   "Triton"):
         assert noise not in text, noise
     # the progress: what start-up does, a line per step with an ETA, the summary
-    assert "starting 1 vLLM engine" in text and "rollout ready: 1 engine in" in text
+    assert "starting 1 engine and warming up" in text and "rollout ready: 1 engine in" in text
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split("|")[0].split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
     assert all(re.search(r"\| eta \d", x) for x in steps)
