@@ -101,7 +101,7 @@ def naive(args, seed: int) -> dict:
     import tiny_model
     from buffer import Sample
     from task import problem_stream
-    from env_manager import RolloutConfig
+    from rollout import RolloutConfig
     from losses import group_advantages
     from trainer import TrainConfig, Trainer
     from transformers import AutoTokenizer
@@ -110,7 +110,8 @@ def naive(args, seed: int) -> dict:
     torch.set_num_threads(os.cpu_count())
     model_dir = str(tiny_model.ensure_tiny_model())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    max_tokens = RolloutConfig(max_tokens=args.max_tokens).resolved(model_dir, "cpu", True, False).max_tokens
+    # the reply budget as train.py resolves it (device, embedded model): 8 tokens unless --max-tokens
+    max_tokens = RolloutConfig(max_tokens=args.max_tokens).resolved(model_dir, "cpu", True).max_tokens
     trainer = Trainer(model_dir, TrainConfig(loss=args.loss, lr=args.lr, micro_batch=args.micro_batch,
                                              seed=seed))
     torch.manual_seed(seed)

@@ -9,9 +9,10 @@ once, MALLOC_MMAP_THRESHOLD_, so the resident set follows what is live), the bef
     .venv/bin/python -m tools.bench_trainer checkpointing   # 103M fwd+bwd activations, with and without
     .venv/bin/python -m tools.bench_trainer start      # 2 FSDP ranks' start-up memory, 103M
     .venv/bin/python -m tools.bench_trainer memplan    # memplan.py's plan against a measured 103M step
+    .venv/bin/python -m tools.bench_trainer start --model .cache/tiny-qwen2    # a quick look, another model
 
 logprobs: a one-layer Qwen2 (hidden 256, vocabulary 151,936, tied); today's token_logprobs (full [B, T, V]
-logits and their log_softmax) against microbatch.PolicyNet's chunks, every position selected. Today's does
+logits and their log_softmax) against model.PolicyNet's chunks, every position selected. Today's does
 not fit this machine at B 8 (~40 GB), so it runs at the smaller --old-batch sizes and its B 8 figure is
 their linear extrapolation (printed as such). start: each of 2 FSDP ranks' memory over its start, today's
 way (every rank loads the whole model and moves it to its device, then shards: on CPU `.to(device)` is a
@@ -75,6 +76,16 @@ class AnonPeak:
         self.peak = max(self.peak, _status("RssAnon"))
 
 
+def model_name(model_dir) -> str:
+    """How the tables name a model: 103M for the default, else its directory's name."""
+    return "103M" if Path(model_dir).resolve() == MODEL_103M.resolve() else Path(model_dir).name
+
+
+def model_mib(model_dir) -> float:
+    """Its weights' bytes on disk (the safetensors files; float32 as built), MiB."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / MiB
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -122,12 +133,12 @@ def case_logprobs(batch: int, seq: int, vocab: int, mode: str, hidden: int = 256
     return {"peak_mib": peak() / MiB, "extra_mib": (peak() - base) / MiB, "s": time.perf_counter() - t0}
 
 
-def case_checkpointing(tokens: int, seq: int, on: bool) -> dict:
+def case_checkpointing(tokens: int, seq: int, on: bool, model: str = str(MODEL_103M)) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from model import PolicyNet, token_logprobs
-    model = AutoModelForCausalLM.from_pretrained(MODEL_103M, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     net = PolicyNet(model)
@@ -140,7 +151,7 @@ def case_checkpointing(tokens: int, seq: int, on: bool) -> dict:
     return {"activations_mib": (peak() - base) / MiB}
 
 
-def _start_rank(rank: int, world: int, port: int, mode: str, out: str):
+def _start_rank(rank: int, world: int, port: int, mode: str, out: str, model_dir: str):
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -153,14 +164,14 @@ def _start_rank(rank: int, world: int, port: int, mode: str, out: str):
     reset_peak()
     with AnonPeak() as sampled:
         if mode == "full":    # today's start: the whole model onto this rank's device, then sharded
-            model = AutoModelForCausalLM.from_pretrained(MODEL_103M, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             for p in model.parameters():     # what .to(cuda) does; on CPU .to() leaves lazily mapped pages
                 p.data = p.data.clone()
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
         else:
-            model = trainer.Trainer(str(MODEL_103M), trainer.TrainConfig(), dist.group.WORLD).model
+            model = trainer.Trainer(model_dir, trainer.TrainConfig(), dist.group.WORLD).model
     local = sum(p.to_local().nbytes for p in model.parameters())
     Path(f"{out}.{rank}").write_text(json.dumps({
         "anon_peak_mib": (sampled.peak - anon) / MiB, "rss_peak_mib": (peak() - base) / MiB,
@@ -169,16 +180,16 @@ def _start_rank(rank: int, world: int, port: int, mode: str, out: str):
     dist.destroy_process_group()
 
 
-def case_start(mode: str) -> dict:
+def case_start(mode: str, model: str = str(MODEL_103M)) -> dict:
     import tempfile
 
     import torch.multiprocessing as mp
     out = tempfile.mktemp()
-    mp.spawn(_start_rank, args=(2, free_port(), mode, out), nprocs=2)
+    mp.spawn(_start_rank, args=(2, free_port(), mode, out, model), nprocs=2)
     return {f"rank{r}": json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)}
 
 
-def _memplan_rank(rank: int, world: int, port: int, rows: int, seq: int, out: str):
+def _memplan_rank(rank: int, world: int, port: int, rows: int, seq: int, out: str, model_dir: str):
     import torch
     import torch.distributed as dist
     import transformers  # noqa: F401  (imported before the baseline)
@@ -194,7 +205,7 @@ def _memplan_rank(rank: int, world: int, port: int, rows: int, seq: int, out: st
                       [0] * (seq - 16), 1.0) for i in range(rows)]
     cfg = trainer.TrainConfig(max_tokens_per_micro=rows * seq)
     base = rss()
-    tr = trainer.Trainer(str(MODEL_103M), cfg, dist.group.WORLD if world > 1 else None)
+    tr = trainer.Trainer(model_dir, cfg, dist.group.WORLD if world > 1 else None)
     adv = [1.0, -1.0] * (rows // 2)
     tr.train_step(samples, adv)          # the first step allocates the moments, after its backward
     reset_peak()
@@ -209,15 +220,15 @@ def _memplan_rank(rank: int, world: int, port: int, rows: int, seq: int, out: st
         dist.destroy_process_group()
 
 
-def case_memplan(ranks: int, rows: int, seq: int) -> dict:
+def case_memplan(ranks: int, rows: int, seq: int, model: str = str(MODEL_103M)) -> dict:
     import tempfile
 
     import torch.multiprocessing as mp
     out = tempfile.mktemp()
     if ranks == 1:
-        _memplan_rank(0, 1, 0, rows, seq, out)
+        _memplan_rank(0, 1, 0, rows, seq, out, model)
     else:
-        mp.spawn(_memplan_rank, args=(ranks, free_port(), rows, seq, out), nprocs=ranks)
+        mp.spawn(_memplan_rank, args=(ranks, free_port(), rows, seq, out, model), nprocs=ranks)
     return json.loads(Path(f"{out}.0").read_text())
 
 
@@ -273,17 +284,19 @@ def packing(args) -> dict:
 
 
 def checkpointing(args) -> dict:
-    res = {on: run_case("checkpointing", tokens=args.tokens, seq=args.seq, on=on) for on in (False, True)}
+    res = {on: run_case("checkpointing", tokens=args.tokens, seq=args.seq, on=on, model=args.model)
+           for on in (False, True)}
     off, on = res[False]["activations_mib"], res[True]["activations_mib"]
-    print(f"103M model, {args.tokens:,} tokens ({args.tokens // args.seq} x {args.seq}), fp32, one fwd+bwd: "
-          f"activations {off:,.0f} MiB without checkpointing, {on:,.0f} MiB with: {off / on:.1f}x less")
+    less = f"{off / on:.1f}x less" if on > 0 else "none measured"       # (a small model's may round to 0)
+    print(f"{model_name(args.model)} model, {args.tokens:,} tokens ({args.tokens // args.seq} x {args.seq}), "
+          f"fp32, one fwd+bwd: activations {off:,.0f} MiB without checkpointing, {on:,.0f} MiB with: {less}")
     return res
 
 
 def start(args) -> dict:
-    res = {mode: run_case("start", mode=mode) for mode in ("full", "sharded")}
-    print("| start-up, 103M (fp32 392 MiB), 2 ranks | peak allocated, rank 0 / 1 | peak RSS (+ mapped file), "
-          "rank 0 / 1 | each rank's shard |")
+    res = {mode: run_case("start", mode=mode, model=args.model) for mode in ("full", "sharded")}
+    print(f"| start-up, {model_name(args.model)} (fp32 {model_mib(args.model):,.0f} MiB), 2 ranks | peak "
+          "allocated, rank 0 / 1 | peak RSS (+ mapped file), rank 0 / 1 | each rank's shard |")
     print("|---|---|---|---|")
     for mode, label in (("full", "today: whole model to the device, then shard"),
                         ("sharded", "meta, shard, read own shards")):
@@ -300,22 +313,22 @@ def memplan_check(args) -> dict:
 
     from ext import memplan
     import train
-    hf = AutoConfig.from_pretrained(MODEL_103M)
+    hf = AutoConfig.from_pretrained(args.model)
     out = {}
     for ranks in args.ranks:
-        got = run_case("memplan", ranks=ranks, rows=args.rows, seq=args.seq)
+        got = run_case("memplan", ranks=ranks, rows=args.rows, seq=args.seq, model=args.model)
         cfg = train.Config(train_gpus=ranks)
         cfg = replace(cfg, train=replace(cfg.train, max_tokens_per_micro=args.rows * args.seq))
-        plan = memplan.make_plan(hf, cfg, gpu=False, model="103M")
+        plan = memplan.make_plan(hf, cfg, gpu=False, model=model_name(args.model))
         t = plan.trainer
         rows = [("weights", t["weights (fp32 masters)"], got["weights"]),
                 ("gradients", t["gradients"], got["gradients"]),
                 ("AdamW moments", t["AdamW moments"], got["AdamW moments"]),
                 ("total (peak of a step)", sum(t.values()), got["total_peak"])]
         counted = ("weights (fp32 masters)", "gradients", "AdamW moments")
-        print(f"\n{ranks} trainer rank(s), 103M fp32, {args.rows} x {args.seq} tokens a micro-batch; the "
-              f"plan's other parts: " + ", ".join(f"{k} {v / MiB:,.0f} MiB" for k, v in t.items()
-                                                 if k not in counted))
+        print(f"\n{ranks} trainer rank(s), {model_name(args.model)} fp32, {args.rows} x {args.seq} tokens a "
+              f"micro-batch; the plan's other parts: "
+              + ", ".join(f"{k} {v / MiB:,.0f} MiB" for k, v in t.items() if k not in counted))
         print("| component | plan | measured | plan / measured |")
         print("|---|---|---|---|")
         for name, p, m in rows:
@@ -324,10 +337,11 @@ def memplan_check(args) -> dict:
     return out
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "_case":
-        fn = globals()[f"case_{sys.argv[2]}"]
-        print(json.dumps(fn(**json.loads(sys.argv[3]))))
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_case":
+        fn = globals()[f"case_{argv[1]}"]
+        print(json.dumps(fn(**json.loads(argv[2]))))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -348,12 +362,16 @@ def main():
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    args = ap.parse_args()
-    if args.cmd != "packing" and not (MODEL_103M / "config.json").exists() and args.cmd != "logprobs":
-        sys.exit(f"bench_trainer: {MODEL_103M} missing: build it first (see --help)")
+    for name in ("checkpointing", "start", "memplan"):     # the cases that load a model
+        sub.choices[name].add_argument("--model", default=str(MODEL_103M),
+                                       help="the model dir (default: the 103M model; a small one: quick)")
+    args = ap.parse_args(argv)
+    if args.cmd not in ("packing", "logprobs") and not (Path(args.model) / "config.json").exists():
+        sys.exit(f"bench_trainer: {args.model} missing: build it first (see --help)")
     res = {"logprobs": logprobs, "packing": packing, "checkpointing": checkpointing, "start": start,
            "memplan": memplan_check}[args.cmd](args)
     print(json.dumps(res, default=str))
+    return res
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ PHASES = [
     ("trainer", "train step: forward, backward, optimizer", r"train_step"),
     ("trainer", "full weights (state_dict gather)", r"full_state"),
     ("trainer", "probe logprobs", r"probe_logprobs"),
-    ("trainer", "weight broadcast (gloo)", r"broadcast_weights"),
+    ("trainer", "weight broadcast (gloo)", r"send_weights|weight_sync\.py"),   # (after the gather's frames)
     ("trainer", "checkpoint", r"save_checkpoint"),
     ("trainer", "advantages", r"group_advantages"),
     ("trainer", "controller: collect, admit, queue calls", r"collect|admit|get_many|put_many|get_sample"),
@@ -107,7 +107,16 @@ def classify(raw: str) -> tuple[collections.Counter, dict]:
     return out, pids
 
 
+def py_spy() -> Path:
+    """The venv's py-spy (not in requirements.txt: `pip install py-spy`); checked before the run starts."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        raise SystemExit(f"profile_step: no py-spy at {spy}: install it (.venv/bin/pip install py-spy)")
+    return spy
+
+
 def main(args, train_args: list[str]):
+    spy_bin = py_spy()
     out_dir = Path(tempfile.mkdtemp(prefix="profile-"))
     cmd = torchrun_cmd("--out-dir", str(out_dir), "--save-every", "0", "--steps", str(args.skip + 1000),
                        *train_args)
@@ -126,7 +135,7 @@ def main(args, train_args: list[str]):
         cpu0 = {p.pid: cpu_s(p) for p in procs}
         t0 = time.monotonic()
         raw = out_dir / "profile.raw"
-        spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(job.pid), "--subprocesses",
+        spy = [str(spy_bin), "record", "--pid", str(job.pid), "--subprocesses",
                "--nonblocking", "--rate", str(args.rate), "--duration", str(args.seconds), "--format", "raw",
                "--output", str(raw)]
         subprocess.run(spy, check=True, capture_output=True)
@@ -136,9 +145,16 @@ def main(args, train_args: list[str]):
     finally:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(60)
-    counts, pids = classify(raw.read_text())
+        log.close()
+    report(raw.read_text(), cpu, wall, rows, args.rate, train_args)
+
+
+def report(raw: str, cpu: dict, wall: float, rows: list[dict], rate: int, train_args: list[str]):
+    """Print the table: py-spy's raw samples split each process's CPU time (cpu: pid -> (seconds over
+    the window, its cores)) over its phases; rows: metrics.jsonl's rows of the window."""
+    counts, pids = classify(raw)
     steps = [r["time_step"] for r in rows]
-    print(f"profile of {len(rows)} steps ({wall:.0f} s, py-spy at {args.rate} Hz; mean step "
+    print(f"profile of {len(rows)} steps ({wall:.0f} s, py-spy at {rate} Hz; mean step "
           f"{sum(steps) / max(len(steps), 1):.3f} s; train.py {' '.join(train_args) or '(defaults)'})")
     print("| process (core) | phase | CPU, % of wall time |\n|---|---|---|")
     for proc in sorted({p for p, _ in counts}, key=lambda p: -sum(cpu.get(pid, (0,))[0] for pid in pids[p])):

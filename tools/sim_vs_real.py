@@ -227,8 +227,6 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    import json as _json
-
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -236,7 +234,8 @@ def main():
     model_dir = str(tiny_model.ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     weights = list(load_file(f"{model_dir}/model.safetensors").items())
-    c = _json.load(open(f"{model_dir}/config.json"))
+    with open(f"{model_dir}/config.json") as f:
+        c = json.load(f)
     kv_bytes = (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
                 * (c["hidden_size"] // c["num_attention_heads"]) * 4)
     kv_tokens = KV_GIB * 2 ** 30 // kv_bytes                      # float32 K and V per token, all layers

@@ -130,7 +130,8 @@ def main(args):
                         "fds": [first[1], last[1]], "threads": [first[2], last[2]],
                         "window_min": [round(pts[0][0] / 60, 1), round(pts[-1][0] / 60, 1)]}
     ctrl = stats.get("controller", {})
-    run = json.loads((out / "checkpoint" / "state.json").read_text())["config"]    # what the run was given
+    # what the run was given: train.Config as a dict, the controller's flags under "controller"
+    run = json.loads((out / "checkpoint" / "state.json").read_text())["config"]["controller"]
     bound = (ratio + 1) * run["batch_groups"] + run["redundant"]
     unresolved = ctrl.get("groups_admitted", 0) - ctrl.get("groups_taken", 0) \
         - ctrl.get("groups_filtered", 0) - ctrl.get("groups_dropped_stale", 0) - ctrl.get("groups_failed", 0)

@@ -9,7 +9,8 @@ problems). Tail batching trains every prompt it admits, but the long ones a few 
 rounds: the question is whether that changes the final eval by more than the seeds' spread.
 
 Writes results/tail_learning.md (final eval per run, mean and spread per setting) and
-results/tail_learning.png (the eval curves, one line per run). The runs go to runs/tail_learning/.
+results/tail_learning.png (the eval curves, one line per run; --results-dir: elsewhere). The runs go to
+runs/tail_learning/.
 """
 
 import argparse
@@ -59,7 +60,8 @@ def main(args):
         lines.append(f"| {name} | {statistics.fmean(g):.3f} | {max(g) - min(g):.3f} | "
                      f"{statistics.fmean(m):.3f} | {max(m) - min(m):.3f} |")
     print("\n".join(lines), flush=True)
-    results = ROOT / "results"
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
     (results / "tail_learning.md").write_text("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
@@ -71,7 +73,7 @@ def main(args):
                 label=name if seed == args.seeds[0] else None)
     ax.set_xlabel("version (training steps)")
     ax.set_ylabel("held-out mean@4")
-    ax.set_title("tail batching at async ratio 0, 3 seeds each", fontsize=9)
+    ax.set_title(f"tail batching at async ratio 0, {len(args.seeds)} seed(s) each", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(results / "tail_learning.png", dpi=120)
@@ -83,5 +85,6 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--out-dir", default="runs/tail_learning")
+    ap.add_argument("--results-dir", default=str(ROOT / "results"), help="where tail_learning.md and .png go")
     ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
     main(ap.parse_args())
