@@ -320,7 +320,10 @@ class AsyncController:
             s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
         except TimeoutError:
             return None
-        return None if self.taps and await self._tapped(s) else s
+        if self.taps and await self._tapped(s):
+            self.failed_received += s.failed and not s.notice     # (the rank counted its failure too)
+            return None
+        return s
 
     async def _add(self, s):
         """A sample into its group (the assembler). A group it leaves lost (given up, or stale) has its

@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from buffer import Ack, Cmd, LocalQueues, Phase, SampleBuffer
+from buffer import Ack, Cmd, LocalQueues, Phase, Sample, SampleBuffer
 from controller import AsyncController, ControllerConfig
 from task import problem_stream
 from task import Problem, make_problem
@@ -204,3 +204,16 @@ def test_groups_outstanding_never_exceed_the_admission_bound(events, async_ratio
                              float(rng.random() < 0.5), failed=kind in ("failed", "gave_up"),
                              meta={"retrying": kind == "failed"}), c.version)
     asyncio.run(main())
+
+
+def test_a_failed_sample_a_tap_takes_is_counted_as_received():
+    """Evaluation's tap (ext/eval.py) takes its samples before the controller adds them: a failed one is
+    still counted among the failures received, as the rank that sent it counted it."""
+    async def main():
+        c = controller()
+        c.taps.append(lambda s: asyncio.sleep(0, result=True))        # takes everything
+        await c.buffer.transport.put_many("samples", [Sample("t", "g", [], [], [], [], [], 0.0, failed=True,
+                                                              meta={"retrying": False})])
+        c._begin_step()
+        return await c._next_sample(0), c.failed_received
+    assert asyncio.run(main()) == (None, 1)

@@ -99,9 +99,9 @@ def jobs(soak_run, monkeypatch, tiny_model_dir):
 def test_soak_watches_a_faulty_run_and_finds_no_leak(soak_run):
     run_dir, res = soak_run
     assert res["exit_status"] == 0 and res["steps"] == 10
-    # (failures_counted_both_sides is not checked: with --eval-every the rank counts its evaluation samples'
-    # failures too, and ext/eval.py's tap takes those before the controller counts what it received)
+    # (evaluation's failed samples too: the controller counts those its taps take)
     assert res["staleness_bound_held_every_step"] and res["samples_failed"] > 0
+    assert res["failures_counted_both_sides"]
     end = res["at_end"]
     assert end["engine_requests_in_flight"] == [0] and end["env_manager_slots_in_use"] == [0]
     assert 0 <= end["groups_unresolved"] <= end["admission_bound"] == 3 * 2 + 4   # (ratio + 1) B + redundant
