@@ -133,8 +133,8 @@ class Phase(enum.StrEnum):
 class Command:
     kind: Cmd
     version: int | None = None             # SYNC: the version being loaded
-    meta: list | None = None               # SYNC: (name, shape, dtype) per weight, the receiver's bucket plan
-    group: object = None                   # SYNC: the weight-sync group to receive over
+    layout: list | None = None             # SYNC: (name, shape, dtype) per weight, the receiver's bucket plan
+    spec: object = None                    # SYNC: the weight-sync group to receive over
                                            # (weight_sync.GroupSpec)
     probe: bool = False                    # SYNC: score the probe sequence after loading (ack.probe)
     freshness: Freshness | None = None     # SYNC: the controller's freshness rule (running work that fails

@@ -1,15 +1,16 @@
 """controller.py: the AsyncController (on trainer rank 0) and rl_step, the loop every runner shares.
 
-    step = await rl_step(ctrl, backend, send, meta, group)   # collect -> train -> sync weights
+    step = await rl_step(ctrl, backend, send, layout, spec)  # collect -> train -> sync weights
     # = batch, info = await ctrl.collect(backend.add)         # admit prompts under the async ratio, B groups
     #   metrics, probe = await backend.finish()               # advantages, train (WholeBatch: at once)
-    #   sync = await ctrl.sync_weights(version + 1, send, meta, group=spec)   # into the engines
+    #   sync = await ctrl.sync_weights(version + 1, send, layout, spec=spec)  # into the engines
 
-Admission (async ratio alpha, the Admission policy): at version v at most (v - v0 + alpha + 1) * B groups
-are alive, plus --redundant ones for dynamic filtering; alpha = 0 is the synchronous baseline in the same
-code. Rollout modes: "queue" ends a step as soon as B good groups are in; "batch" (the paper's baseline)
-waits for every admitted group (a barrier). The trainer waits only for the broadcast of a weight
-sync; the SYNCED acks are awaited by the next sync_weights (one sync in flight at most).
+Admission (async ratio alpha, the Admission policy): at most (alpha + 1) * B groups hold places (admitted,
+neither lost nor trained by an earlier step), plus --redundant ones for dynamic filtering; alpha = 0 is the
+synchronous baseline in the same code. Rollout modes: "queue" ends a step as soon as B good groups are in;
+"batch" (the paper's baseline) waits for every admitted group (a barrier). The trainer waits only for the
+broadcast of a weight sync; the SYNCED acks are awaited by the next sync_weights (one sync in flight at
+most).
 Two seams: an Admission policy decides how many groups may be in flight and which prompt runs next
 (ext/tail_batching.py is one); a TrainBackend trains a step's groups (WholeBatch: once the batch is
 complete; ext/stream_trainer.py: each group as it completes). `taps` see every sample first (ext/eval.py).
@@ -166,9 +167,9 @@ class AsyncController:
         self.in_flight: tuple | None = None    # (version, probe_ref) of the sync awaiting its SYNCED acks
         self.unreported: dict = {}             # wait_ready's check, reported by the first finish_sync
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
-        # the weight sync's transport (set by each sync_weights): send_fn(group) broadcasts the trainer's
-        # current weights over `group` (weight_sync.GroupSpec; None: engines without one, the fake)
-        self.send_fn, self.meta, self.group = None, None, None
+        # the weight sync's transport (set by each sync_weights): send_fn(spec) broadcasts the trainer's
+        # current weights as `spec` says (weight_sync.GroupSpec; None: engines without one, the fake)
+        self.send_fn, self.layout, self.spec = None, None, None
         self.probe_ref = None                  # trainer's probe logprobs of the last sync (None: not probed)
         self.gen = 0                           # the weight-sync group's generation: +1 per replaced engine
         self.sends = 0                         # broadcasts started (every attempt)
@@ -464,20 +465,20 @@ class AsyncController:
             await self.buffer.send_command(r, Command(Cmd.ABORT_GROUPS, group_ids=group_ids))
 
     # --- postprocess: weight sync, overlapped with the next step
-    async def sync_weights(self, new_version: int, send_fn, meta=None, probe_ref: list[float] | None = None,
-                           group=None) -> dict:
-        """Send SYNC to every rollout rank and broadcast (send_fn(group), a blocking collective with
+    async def sync_weights(self, new_version: int, send_fn, layout=None, probe_ref: list[float] | None = None,
+                           spec=None) -> dict:
+        """Send SYNC to every rollout rank and broadcast (send_fn(spec), a blocking collective with
         the engines' workers, run in a thread; or a coroutine function, awaited: the simulator's model
         of the transfer); return when the broadcast is done. Each rank then
         resumes and acks SYNCED on its own while the trainer goes on; those acks are awaited at the
-        next call (one sync in flight at most) or by finish_sync(). meta: the weights' (name, shape,
-        dtype); group: the weight-sync group's spec (weight_sync.GroupSpec, any generation).
+        next call (one sync in flight at most) or by finish_sync(). layout: the weights' (name, shape,
+        dtype); spec: the weight-sync group's (weight_sync.GroupSpec, any generation).
         probe_ref: the trainer's logprobs of the probe, which the ranks then score too. Returns
         trainer-side timings plus the report of the previous sync (see finish_sync)."""
         t0, wall0 = now(), time.time()
         report = await self.finish_sync()
         t1, wall1 = now(), time.time()
-        self.send_fn, self.meta, self.group, self.probe_ref = send_fn, meta, group, probe_ref
+        self.send_fn, self.layout, self.spec, self.probe_ref = send_fn, layout, spec, probe_ref
         await self._send_weights(new_version, probe_ref is not None)
         t2 = now()
         if self.events is not None and self._collect_span:   # the trainer's step, for the timeline
@@ -502,15 +503,15 @@ class AsyncController:
             self.recovery.before_send(self)
         for attempt in itertools.count(1):
             self.sends += 1           # (the ipc transport's keys: one sequence number per broadcast)
-            group = self.group.with_gen(self.gen, self.sends) if self.group is not None else None
+            spec = self.spec.with_gen(self.gen, self.sends) if self.spec is not None else None
             for r in range(self.num_ranks):    # (the rule travels too: the ranks abort what fails it)
-                await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.meta, probe=probe,
-                                                          group=group, freshness=self.freshness))
+                await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.layout, probe=probe,
+                                                          spec=spec, freshness=self.freshness))
             try:
                 if asyncio.iscoroutinefunction(self.send_fn):
-                    await self.send_fn(group)             # the simulator's model of the transfer
+                    await self.send_fn(spec)              # the simulator's model of the transfer
                 else:
-                    await asyncio.to_thread(self.send_fn, group)
+                    await asyncio.to_thread(self.send_fn, spec)
                 return
             except Exception as e:
                 if self.recovery is None or not await self.recovery.send_failed(self, e, version, attempt):
@@ -660,16 +661,16 @@ class Step(NamedTuple):
     train_s: float       # seconds from the batch's completion to the trained weights (event-loop time)
 
 
-async def rl_step(ctrl: AsyncController, backend, send_fn, meta=None, group=None) -> Step:
+async def rl_step(ctrl: AsyncController, backend, send_fn, layout=None, spec=None) -> Step:
     """One step of the loop every runner shares (train.py, the simulator, the benchmarks, the study):
     collect B fresh groups -> train them (backend: a TrainBackend, WholeBatch or a streaming one, which
     trains each group as it completes; train_s is then what is left once the batch is complete) -> sync
-    the new weights into the engines. send_fn, meta, group: as sync_weights'.
+    the new weights into the engines. send_fn, layout, spec: as sync_weights'.
     metrics["time_trainer_busy"]: the trainer's own time in this step's training."""
     backend.begin(ctrl.version)
     batch, info = await ctrl.collect(on_group=backend.add, stream=backend.streams)     # schedule + run
     t = now()
     metrics, probe_ref = await backend.finish()
     train_s = now() - t
-    sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, meta, probe_ref, group)   # postprocess
+    sync = await ctrl.sync_weights(ctrl.version + 1, send_fn, layout, probe_ref, spec)  # postprocess
     return Step(batch, info, metrics, sync, train_s)

@@ -203,14 +203,14 @@ class EnvManager:
         and the engine (a new one if it died, acked REPLACED) waits suspended for the controller's next
         SYNC."""
         v, t0 = cmd.version, now()
-        first_rank = 1 + self.rank * (cmd.group.workers_per_engine if cmd.group else 1)
+        first_rank = 1 + self.rank * (cmd.spec.workers_per_engine if cmd.spec else 1)
         probe, t1 = None, t0
-        if cmd.group is not None and self.recovery is not None and not self.recovery.may_join(cmd.group.gen):
+        if cmd.spec is not None and self.recovery is not None and not self.recovery.may_join(cmd.spec.gen):
             return await self._ack_synced(v, {"receive_s": 0.0, "load_s": 0.0}, needs_weights=True)
         try:
             await self.proxy.suspend(self.cfg.suspend_mode)
             t1 = now()
-            workers = await self.proxy.update_weights(cmd.meta or [], v, cmd.group, first_rank)
+            workers = await self.proxy.update_weights(cmd.layout or [], v, cmd.spec, first_rank)
             t2 = now()
             await self.proxy.resume()
             self.synced = True

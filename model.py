@@ -1,6 +1,6 @@
 """model.py: the trainer's model on its ranks, and what one micro-batch of it is.
 
-    model, net = build(model_dir, device="cuda:0", group=trainer_group, bf16=True, chunk=1024)
+    model, net = build(model_dir, device="cuda:0", trainer_group=trainer_group, bf16=True, chunk=1024)
     parts = pack_by_tokens([s.num_tokens for s in samples], budget=16384)   # index lists, longest first
     mb = collate([samples[i] for i in parts[0]], device, version)  # right-padded tensors; per-token fields
     logp = token_logprobs(net, mb["input_ids"], mb["attn"], mb["mask"])         # [B, T], 0 where unselected
@@ -170,16 +170,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 # the model on the trainer ranks
 
 
-def build(model_dir: str, device, group=None, bf16: bool = False, chunk: int = 1024, weights=None,
+def build(model_dir: str, device, trainer_group=None, bf16: bool = False, chunk: int = 1024, weights=None,
           checkpointing: bool = False, frozen: bool = False):
-    """(HF model, PolicyNet over it) on this rank; group: the trainer group when it has several ranks.
+    """(HF model, PolicyNet over it) on this rank; trainer_group: the trainer group when it has several ranks.
     weights: trainer.Weights, which may wrap the model (ext/lora.py: PEFT's adapter, still to be set) and
     names its tensors in the model dir. checkpointing: recompute each decoder layer in backward
     (transformers', non-reentrant). frozen: no gradients, eval."""
     from transformers import AutoConfig, AutoModelForCausalLM
     device = torch.device(device)
     dtype = torch.bfloat16 if bf16 and frozen else torch.float32
-    if group is not None:
+    if trainer_group is not None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     else:
@@ -191,13 +191,13 @@ def build(model_dir: str, device, group=None, bf16: bool = False, chunk: int = 1
     elif checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # one rank in bf16: autocast over float32 weights; under FSDP its mixed-precision policy casts
-    net = PolicyNet(model, chunk, autocast=torch.bfloat16 if bf16 and group is None else None)
-    if group is not None:
+    net = PolicyNet(model, chunk, autocast=torch.bfloat16 if bf16 and trainer_group is None else None)
+    if trainer_group is not None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        ranks = torch.tensor(dist.get_process_group_ranks(group))
-        mesh = DeviceMesh.from_group(group, device.type, mesh=ranks)
+        ranks = torch.tensor(dist.get_process_group_ranks(trainer_group))
+        mesh = DeviceMesh.from_group(trainer_group, device.type, mesh=ranks)
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
                   else MixedPrecisionPolicy())
         # (a wrapped model, PEFT's: the decoder layers are the wrapped model's; frozen weights shard alike)
@@ -206,7 +206,7 @@ def build(model_dir: str, device, group=None, bf16: bool = False, chunk: int = 1
         fully_shard(net, mesh=mesh, mp_policy=policy)       # the root: embeddings, final norm, head
         net.to_empty(device=device)                        # this rank's shards, still unset
         reset_buffers(model, device)
-        read_own_shards(model, model_dir, group, weights)
+        read_own_shards(model, model_dir, trainer_group, weights)
     return model, net
 
 
@@ -226,7 +226,7 @@ def reset_buffers(model, device):
             getattr(m, name).copy_(buf)
 
 
-def read_own_shards(model, model_dir: str, group, weights=None):
+def read_own_shards(model, model_dir: str, trainer_group, weights=None):
     """Each rank reads only its own shards of model_dir's safetensors into `model`'s sharded weights
     (torch.distributed.checkpoint's HF reader reads slices; a checkpoint in bfloat16 is cast into the
     float32 masters). Names: weights.checkpoint_name maps a wrapped model's back to the checkpoint's (None:
@@ -241,6 +241,6 @@ def read_own_shards(model, model_dir: str, group, weights=None):
         hf = weights.checkpoint_name(name) if weights is not None else name
         if hf is not None and not (tied and hf == "lm_head.weight"):
             want[hf] = t
-    dcp.load(want, storage_reader=dcp.HuggingFaceStorageReader(model_dir), process_group=group)
+    dcp.load(want, storage_reader=dcp.HuggingFaceStorageReader(model_dir), process_group=trainer_group)
 
 

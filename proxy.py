@@ -7,7 +7,7 @@ Completion carries the token ids, the behaviour logprob and the policy version o
     proxy = await LLMProxy.start_vllm(model_dir, rank=r)   # real vLLM AsyncLLM (engine-core subprocess)
     proxy = LLMProxy(FakeTimedEngine(...), rank=r)          # timed fake, for unit tests and tools/sim.py
     c = await proxy.generate(prompt_ids, Sampling(max_tokens=16))   # -> Completion
-    await proxy.suspend("keep"); await proxy.update_weights(meta, 3, spec); await proxy.resume()
+    await proxy.suspend("keep"); await proxy.update_weights(layout, 3, spec); await proxy.resume()
 
 Suspend "keep": in-flight requests stay in the engine and continue under the new weights; "abort":
 they end, and are resubmitted after resume as prompt + tokens so far (partial rollout). VLLMEngine
@@ -124,9 +124,9 @@ class Engine(Protocol):
     async def set_version(self, version: int) -> None:
         """Label the tokens sampled from now on with this policy version (the spans of stream())."""
 
-    async def receive_weights(self, spec, first_rank: int, meta) -> list[dict] | None:
+    async def receive_weights(self, spec, first_rank: int, layout) -> list[dict] | None:
         """Receive new weights the way spec names (weight_sync.GroupSpec; None: none to receive), as ranks
-        first_rank.. of its group, and load them; meta: their (name, shape, dtype). Returns each worker's
+        first_rank.. of its group, and load them; layout: their (name, shape, dtype). Returns each worker's
         timings ({"total_s", "wait_s"}) or None."""
 
     async def score(self, token_ids: list[int]) -> list[float]:
@@ -402,8 +402,8 @@ class LLMProxy:
             await self._call("wake", self.engine.wake(), timeout=max(self.timeout_s, 300))
             self.asleep = False
 
-    async def update_weights(self, meta, version: int, spec=None, first_rank: int = 1):
-        """The engine's workers receive new weights (meta: weight_sync.Meta, HF names) over spec's
+    async def update_weights(self, layout, version: int, spec=None, first_rank: int = 1):
+        """The engine's workers receive new weights (layout: weight_sync.Layout, HF names) over spec's
         weight-sync group, as ranks first_rank.., from its rank 0, which sends at the same time;
         tokens sampled after resume carry `version`. (spec None: the fake engine, which has no group.)
         Returns what the backend reports: per worker, seconds in all and waiting in the broadcast."""
@@ -412,7 +412,7 @@ class LLMProxy:
                                f"(call suspend first), status is {self.status.value}")
 
         async def load():
-            out = await self.engine.receive_weights(spec, first_rank, meta)
+            out = await self.engine.receive_weights(spec, first_rank, layout)
             await self.engine.set_version(version)     # the engine labels the tokens it samples next
             return out
         await self._wake()

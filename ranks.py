@@ -4,7 +4,7 @@ one wrapper of a torch.distributed call that names the rank and phase when it fa
 trainer ranks in lockstep under rank 0 (TrainerRanks).
 
     rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
-    ranks = TrainerRanks(trainer, num_ranks, group, out_dir, model_dir, probe_ids, store=store)
+    ranks = TrainerRanks(trainer, num_ranks, trainer_group, out_dir, model_dir, probe_ids, store=store)
     if rank != 0: ranks.follow()                           # the followers: run rank 0's ops until "stop"
     metrics, probe = await ranks.train(samples, advantages, version)   # rank 0: every rank its shard
 
@@ -53,9 +53,9 @@ class TrainerRanks:
     process lives, not that it makes progress: rank 0's own waits carry their own timeouts, and when
     one fails it still tells the followers 'stop'.)"""
 
-    def __init__(self, trainer: Trainer, num_ranks: int, group, out_dir: str, model_dir: str,
+    def __init__(self, trainer: Trainer, num_ranks: int, trainer_group, out_dir: str, model_dir: str,
                  probe_ids: list[int], store=None, timeout_s: float = 1800.0):
-        self.trainer, self.num_ranks, self.group = trainer, num_ranks, group
+        self.trainer, self.num_ranks, self.trainer_group = trainer, num_ranks, trainer_group
         self.out_dir, self.model_dir, self.probe_ids = out_dir, model_dir, probe_ids
         # this rank's sender (weight_sync.TRANSPORTS' sender: rank 0's, or every rank's), set by train.py
         self.sender = None
@@ -90,35 +90,35 @@ class TrainerRanks:
     def save(self, state: dict):
         self.run({"op": "save", "state": state})
 
-    def send_weights(self, group, meta):
-        """The weights into every engine over `group` (weight_sync.GroupSpec): each trainer rank
+    def send_weights(self, spec, layout):
+        """The weights into every engine as `spec` says (weight_sync.GroupSpec): each trainer rank
         gathers them weight by weight (FSDP), rank 0 broadcasts them bucket by bucket (self.sender).
         Runs in the controller's thread while rank 0's event loop waits."""
-        self.run({"op": "send", "group": group, "meta": meta})
+        self.run({"op": "send", "spec": spec, "layout": layout})
 
-    def _send(self, group, meta):
+    def _send(self, spec, layout):
         """This rank's part of a sync: its sender (rank 0's broadcast; a transport whose every rank sends:
         its own engine's) sends what every rank gathers. Every rank sending, over several ranks: every
         rank's outcome goes to rank 0, which raises for any (the controller then syncs again); the others
         go on."""
         tr, each = self.trainer, self.every_rank_sends and self.num_ranks > 1
-        dtypes = [getattr(torch, dtype) for _, _, dtype in meta]    # gathered in the engine's dtype
+        dtypes = [getattr(torch, dtype) for _, _, dtype in layout]    # gathered in the engine's dtype
         if self.sender is None:
             for _ in tr.iter_full_state(dtypes):
                 pass
             error = None
         elif not each:
-            return self.sender.send(group, tr.iter_full_state(dtypes), meta)
+            return self.sender.send(spec, tr.iter_full_state(dtypes), layout)
         else:
             try:
-                self.sender.send(group, tr.iter_full_state(dtypes), meta)
+                self.sender.send(spec, tr.iter_full_state(dtypes), layout)
                 error = None
             except Exception as e:
                 error = str(e)
         if each:
             errors = [None] * self.num_ranks
             collective("gathering the trainer ranks' sends", dist.all_gather_object, errors, error,
-                       group=self.group)
+                       group=self.trainer_group)
             if tr.rank == 0 and any(errors):
                 raise RuntimeError("; ".join(e for e in errors if e))
 
@@ -138,7 +138,7 @@ class TrainerRanks:
                 continue
             box = [None]       # rank 0 posted "op" just before its broadcast: this wait is short
             collective("receiving trainer rank 0's next op", dist.broadcast_object_list, box, src=0,
-                       group=self.group)
+                       group=self.trainer_group)
             if box[0]["op"] == "stop":
                 return
             self._do(box[0])
@@ -184,7 +184,7 @@ class TrainerRanks:
         if self.num_ranks > 1:
             collective(f"posting '{op['op']}' to the trainer ranks' mailboxes", self._post, "op")
             collective(f"sending '{op['op']}' to the trainer ranks", dist.broadcast_object_list, [op], src=0,
-                       group=self.group)
+                       group=self.trainer_group)
 
     def _do(self, op: dict):
         if self.num_ranks > 1:    # FSDP: the op's collectives (batch plan, forward/backward, gathers) name it
@@ -203,7 +203,7 @@ def _train(ranks: TrainerRanks, op: dict):
 
 # op name -> what every trainer rank runs for it (ext/stream_trainer.py adds its own)
 OPS = {"train": _train,
-       "send": lambda ranks, op: ranks._send(op["group"], op["meta"]),       # gathers: collective under FSDP
+       "send": lambda ranks, op: ranks._send(op["spec"], op["layout"]),    # gathers: collective under FSDP
        "probe": lambda ranks, op: ranks.trainer.probe_logprobs(ranks.probe_ids),
        "save": lambda ranks, op: ranks.trainer.save_checkpoint(ranks.out_dir, op["state"], ranks.model_dir)}
 

@@ -43,7 +43,7 @@ from runlog import RunLog, print0, probe_verdict, start_line, start_metrics
 from task import DataConfig, problem_stream
 from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
-from weight_sync import TRANSPORTS, weight_meta
+from weight_sync import TRANSPORTS, weight_layout
 
 ext.load()                # every ext/ file registers its flags and hooks
 if __name__ == "__mp_main__":     # this file re-imported in vLLM's engine processes, which a rank spawned:
@@ -99,13 +99,13 @@ class Config:
 # the loop (trainer rank 0)
 
 
-async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, meta, group, state):
+async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, layout, spec, state):
     """collect -> train -> sync weights -> extensions -> log -> save, until --steps or the time limit."""
     await log.starting(ctrl.wait_ready(ranks.probe() if ranks.probe_due(0) else None))   # engines up, warm
     t_train = time.monotonic()
     for step in range(state["step"] if state else 0, cfg.steps):
         t0 = time.monotonic()
-        s = await rl_step(ctrl, backend, send, meta, group)                     # collect, train, sync
+        s = await rl_step(ctrl, backend, send, layout, spec)                      # collect, train, sync
         final = step + 1 == cfg.steps or 0 < cfg.time_limit_min * 60 < time.monotonic() - t_train
         extra = {k: v for d in await exts.acall("after_step", ctrl, step + 1, final) for k, v in d.items()}
         log.step(step + 1, ctrl.version, {**s.info, **extra}, s.metrics, s.sync, s.train_s,
@@ -128,13 +128,13 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, me
 # the trainer ranks and the rollout ranks
 
 
-def trainer_ranks(cfg: Config, exts, rank: int, device: str, group, model_dir: str, state, base_dir: str,
-                  tokenizer, mailbox=None, model_built=lambda: None, **where) -> TrainerRanks:
+def trainer_ranks(cfg: Config, exts, rank: int, device: str, trainer_group, model_dir: str, state,
+                  base_dir: str, tokenizer, mailbox=None, model_built=lambda: None, **where) -> TrainerRanks:
     """This trainer rank's Trainer in lockstep with the others (TrainerRanks: mailbox, the store their ops are
     posted on), with its weight sender (the transport's; where: the sender's host, port, store, prefix).
     model_built() runs once the model is built, before the sender is made."""
     timeout, transport = cfg.controller.timeout_s, TRANSPORTS[cfg.weight_transport]
-    trainer = Trainer(model_dir, cfg.train, group if cfg.train_gpus > 1 else None, device,
+    trainer = Trainer(model_dir, cfg.train, trainer_group if cfg.train_gpus > 1 else None, device,
                       weights=exts.first("trainer_weights"), ref_dir=base_dir,   # (--kl-coef's reference)
                       temperature=cfg.rollout.temperature)              # log-probs of what the engines sample
     if state:
@@ -142,8 +142,8 @@ def trainer_ranks(cfg: Config, exts, rank: int, device: str, group, model_dir: s
         trainer.num_steps = state["step"]
     model_built()
     # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
-    ranks = TrainerRanks(trainer, cfg.train_gpus, group, cfg.out_dir, model_dir, tokenizer.encode(PROBE_TEXT),
-                         store=mailbox, timeout_s=timeout)
+    ranks = TrainerRanks(trainer, cfg.train_gpus, trainer_group, cfg.out_dir, model_dir,
+                         tokenizer.encode(PROBE_TEXT), store=mailbox, timeout_s=timeout)
     ranks.after_train = [e.after_train for e in exts]
     ranks.probe_due = lambda v: cfg.check_sync_every > 0 and v % cfg.check_sync_every == 0
     # the weights go to the engines by the transport's senders (rank 0's, or every rank's); engines receive
@@ -156,7 +156,7 @@ def trainer_ranks(cfg: Config, exts, rank: int, device: str, group, model_dir: s
 
 def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer, tokenizer, state):
     """Trainer rank 0's side of the run: the controller (admission, collection, the weight sync), the run's
-    record, how a step's groups train, and the weights' send. -> (ctrl, log, backend, send, meta)."""
+    record, how a step's groups train, and the weights' send. -> (ctrl, log, backend, send, layout)."""
     problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
@@ -173,8 +173,8 @@ def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer
     backend = (exts.first("train_backend", ranks, ranks.probe_due)        # (every trainer rank, in lockstep)
                or WholeBatch(ranks.train, cfg.controller.group_size, cfg.train.adv_estimator,
                              before=[functools.partial(e.before_train, ctrl) for e in exts]))
-    meta = weight_meta(ranks.trainer.named_weights(), cfg.rollout.dtype)
-    return ctrl, log, backend, functools.partial(ranks.send_weights, meta=meta), meta
+    layout = weight_layout(ranks.trainer.named_weights(), cfg.rollout.dtype)
+    return ctrl, log, backend, functools.partial(ranks.send_weights, layout=layout), layout
 
 
 def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokenizer, index: int,
@@ -189,15 +189,15 @@ def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokeni
                       if wrappers else None, scorer=exts.first("scorer"), deadline=exts.first("env_deadline"))
 
 
-def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_dir: str, state, buffer_addr,
-                base_dir: str):
+def run_trainer(cfg: Config, exts, rank: int, device: str, trainer_group, store, model_dir: str, state,
+                buffer_addr, base_dir: str):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
     def model_built():              # (ipc: the engines start once the trainers hold their models)
         if getattr(TRANSPORTS[cfg.weight_transport], "engines_after_trainers", False):
             collective("the trainer ranks' models built, before the engines start", dist.barrier)
-    ranks = trainer_ranks(cfg, exts, rank, device, group, model_dir, state, base_dir, tokenizer,
+    ranks = trainer_ranks(cfg, exts, rank, device, trainer_group, model_dir, state, base_dir, tokenizer,
                           mailbox=dist.PrefixStore(f"{attempt}/trainer-ranks", store),
                           model_built=model_built, host=os.environ["MASTER_ADDR"],
                           port=int(os.environ["MASTER_PORT"]), store=store, prefix=attempt)
@@ -206,10 +206,10 @@ def run_trainer(cfg: Config, exts, rank: int, device: str, group, store, model_d
         return ranks.follow()
     buffer = SampleBuffer(ManagerQueues.serve(*buffer_addr, cfg.rollout_gpus, bind=queue_bind()),
                           "trainer rank 0", cfg.controller.timeout_s)
-    ctrl, log, backend, send, meta = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
+    ctrl, log, backend, send, layout = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
     gc.freeze()              # (as run_rollout's: 2 full collections of ~0.3 s in 40 default steps)
     try:
-        asyncio.run(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, meta,
+        asyncio.run(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, layout,
                             ranks.sender.spec(0, cfg.rollout_gpus), state))
     finally:
         log.close()
@@ -277,7 +277,6 @@ ONE_PROCESS = ("train.py: one process (no torchrun): the controller, one env man
 
 def one_process_config(cfg: Config) -> Config:
     """The one-process run's settings: one engine and one trainer rank, the weights handed over in process."""
-    print(ONE_PROCESS, flush=True)
     if cfg.rollout_gpus != 1 or cfg.train_gpus != 1:
         sys.exit(f"train.py: one process runs one engine and one trainer (--rollout-gpus 1 --train-gpus 1), "
                  f"not {cfg.rollout_gpus} and {cfg.train_gpus}: launch with torchrun for more, e.g.\n"
@@ -301,7 +300,7 @@ def run_one_process(cfg: Config, exts, model_dir: str, state, base_dir: str):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ranks = trainer_ranks(cfg, exts, 0, "cpu", None, model_dir, state, base_dir, tokenizer)
     buffer = SampleBuffer(LocalQueues(1), "one process", cfg.controller.timeout_s)
-    ctrl, log, backend, send, meta = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
+    ctrl, log, backend, send, layout = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
     engine = exts.first("one_process_engine", model_dir, cfg)
     if engine is None:
         sys.exit("train.py: no engine for one process (ext/torch_engine.py is missing): launch with torchrun")
@@ -311,7 +310,7 @@ def run_one_process(cfg: Config, exts, model_dir: str, state, base_dir: str):
 
     async def both():
         rollout = asyncio.create_task(manager.run(), name="rollout rank 0")
-        training = asyncio.create_task(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, meta,
+        training = asyncio.create_task(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, layout,
                                                ranks.sender.spec(0, 1), state), name="trainer rank 0")
         done, _ = await asyncio.wait({rollout, training}, return_when=asyncio.FIRST_EXCEPTION)
         if rollout in done and rollout.exception() is not None:     # a crashed rollout side ends the run
@@ -330,13 +329,13 @@ def run_one_process(cfg: Config, exts, model_dir: str, state, base_dir: str):
 
 def main():
     cfg = parse_cli(Config, doc=__doc__)
-    one = "WORLD_SIZE" not in os.environ       # not under torchrun: the whole system in one process
-    if one:
-        cfg = one_process_config(cfg)
     export_startup_timeout(cfg.controller.startup_timeout_s)
     exts = Extensions.start(cfg)
     exts.call("before_launch")        # (library logs at warning level; --dry-run: the memory plan, then exit)
-    if not one:
+    one = "WORLD_SIZE" not in os.environ       # not under torchrun: the whole system in one process
+    if one:
+        print(ONE_PROCESS, flush=True)
+    else:
         die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
     if cfg.model and not state:       # (a resumed run loads its own checkpoint)
@@ -344,8 +343,11 @@ def main():
     cfg.data.check()                  # (a bad row: its file and line)
     if state and not cfg.model:     # what the checkpoint records: the model the run started from
         cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
-    rank, world, device, engine_core, trainer_group, store = (0, 1, "cpu", "", None, None) if one else \
-        init_distributed(cfg)
+    if one:
+        cfg = exts.update(one_process_config(cfg))
+        rank, world, device, engine_core, trainer_group, store = 0, 1, "cpu", "", None, None
+    else:
+        rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
     try:
         base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
         if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)

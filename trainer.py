@@ -129,13 +129,13 @@ class Weights:
 
 
 class Trainer:
-    def __init__(self, model_dir: str, cfg: TrainConfig, group=None, device: str = "cpu",
+    def __init__(self, model_dir: str, cfg: TrainConfig, trainer_group=None, device: str = "cpu",
                  weights: Weights | None = None, ref_dir: str = "", fsdp: bool = False,
                  temperature: float = 1.0):
         """weights: what trains, syncs and is saved (default: the whole model; ext/lora.py: an adapter,
         whose tensors are then all that named_weights() and the checkpoints hold). ref_dir: --kl-coef's
         reference model (default model_dir; a resumed run passes the model it started from). fsdp: the
-        sharded path (FSDP2) even when `group` has one rank (tools/gpu_check.py checks it on one GPU);
+        sharded path (FSDP2) even when `trainer_group` has one rank (tools/gpu_check.py checks it on one GPU);
         with several ranks it is always taken.
         temperature: the engines' sampling temperature (--temperature); every log-prob the loss sees (the
         policy's, pi_prox's, the reference's) is of softmax(logits / temperature), the distribution the
@@ -146,14 +146,14 @@ class Trainer:
         self.device = torch.device(device)
         self.cfg = cfg = cfg.resolved(self.device.type)
         self.weights = weights or Weights()
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.fsdp = self.world > 1 or (fsdp and group is not None)
+        self.trainer_group = trainer_group
+        self.world = dist.get_world_size(trainer_group) if trainer_group is not None else 1
+        self.rank = dist.get_rank(trainer_group) if trainer_group is not None else 0
+        self.fsdp = self.world > 1 or (fsdp and trainer_group is not None)
         self.bf16 = cfg.precision == "bf16"
         torch.manual_seed(cfg.seed)
-        build = functools.partial(model_mod.build, device=self.device, group=group if self.fsdp else None,
-                                  bf16=self.bf16, chunk=cfg.logits_chunk)
+        build = functools.partial(model_mod.build, device=self.device, bf16=self.bf16, chunk=cfg.logits_chunk,
+                                  trainer_group=trainer_group if self.fsdp else None)
         self.model, self.net = build(model_dir, weights=self.weights,
                                      checkpointing=cfg.grad_checkpointing == "on")
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -314,7 +314,7 @@ class Trainer:
             counts = [math.ceil(math.ceil(len(samples) / cfg.mini_batches) / cfg.micro_batch)] * len(minis)
         counts = torch.tensor([max(1, c) for c in counts], device=self.device)      # per mini-batch
         if self.fsdp:
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.trainer_group)
         plan = []
         for j, (mini, count) in enumerate(zip(minis, counts.tolist())):
             # the largest rank's count: packed parts padded with empty ones, or that many equal parts
@@ -331,7 +331,7 @@ class Trainer:
                              device=self.device)                                 # [mini-batches]
         total = local.clone()
         if self.fsdp:
-            dist.all_reduce(total, group=self.group)
+            dist.all_reduce(total, group=self.trainer_group)
         for mini, own, every in zip(plan, local.tolist(), total.tolist()):
             for mb in mini:
                 mb["weight"] = mb["count"] / max(own, 1.0)        # the metrics: this rank's own mean
@@ -402,8 +402,8 @@ class Trainer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        if self.trainer_group is not None:
+            dist.barrier(group=self.trainer_group)
         try:
             torch.save(self.opt.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
             if self.rank == 0:
@@ -412,8 +412,8 @@ class Trainer:
             # torch.save reports a full disk as RuntimeError("... iostream error")
             shutil.rmtree(tmp, ignore_errors=True)
             raise OSError(checkpoint_error(tmp, e)) from e
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        if self.trainer_group is not None:
+            dist.barrier(group=self.trainer_group)
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)      # a killed save of this same step left it unlinked
             os.replace(tmp, final)

@@ -225,19 +225,19 @@ class VLLMEngine:
         from now on with it (vLLM's weight_version; "default" before the first label)."""
         await self.llm.update_weight_version(str(version))
 
-    async def receive_weights(self, spec, first_rank: int, meta):
+    async def receive_weights(self, spec, first_rank: int, layout):
         """Every worker receives the weights the way spec's transport hands them over (weight_sync.py: it
         joins the weight-sync group and loads what its rank 0 broadcasts) and loads them (self.load);
-        collective_rpc carries only the spec, the meta and the load. Returns each worker's timings. A
+        collective_rpc carries only the spec, the layout and the load. Returns each worker's timings. A
         receive that ends otherwise than by the workers' answer (the engine died) tells the transport."""
         from dataclasses import asdict
 
         from weight_sync import TRANSPORTS
         try:
             out = await self.llm.collective_rpc("receive_weights",
-                                                args=(asdict(spec), first_rank, meta, self.load))
+                                                args=(asdict(spec), first_rank, layout, self.load))
         except BaseException as e:
-            TRANSPORTS[spec.transport].receive_failed(spec, first_rank, meta, e)
+            TRANSPORTS[spec.transport].receive_failed(spec, first_rank, layout, e)
             raise
         for hook in self.after_receive:
             hook()

@@ -1,14 +1,14 @@
 """weight_sync.py: the weights, from trainer rank 0 straight into every vLLM worker.
 
     sender = Sender(host, port, store=store, backend="nccl")     # trainer rank 0 (train.py)
-    meta = weight_meta(trainer.named_weights(), dtype)            # names, shapes, dtypes: rides on Cmd.SYNC
-    sender.send(sender.spec(gen, num_engines), trainer.iter_full_state(), meta)
-    await proxy.update_weights(meta, version, spec)   # each rollout rank, engine suspended: its workers'
+    layout = weight_layout(trainer.named_weights(), dtype)          # names, shapes, dtypes: rides on Cmd.SYNC
+    sender.send(sender.spec(gen, num_engines), trainer.iter_full_state(), layout)
+    await proxy.update_weights(layout, version, spec)   # each rollout rank, engine suspended: its workers'
                                                       # WeightSyncWorker.receive_weights (collective_rpc)
 
 What lives here: the one weight-sync group (rank 0 the sender, ranks 1.. every engine's workers,
 built with vLLM's stateless helpers on the run's key-value store; gloo on CPU, NCCL on GPU, the same
-code), the bucket plan (plan_buckets over weight_meta, computed alike on both sides), Sender (gather,
+code), the bucket plan (plan_buckets over weight_layout, computed alike on both sides), Sender (gather,
 flatten and broadcast bucket by bucket) and WeightSyncWorker (the vLLM worker extension that
 receives each bucket and loads it as it arrives). A replaced engine means a new group generation.
 The seam: TRANSPORTS, --weight-transport's registry. A transport (GroupTransport here; ext/colocate.py's
@@ -32,18 +32,18 @@ from datetime import timedelta
 
 import torch
 
-Meta = list[tuple[str, list[int], str]]     # (name, shape, dtype) per tensor, in send order
+Layout = list[tuple[str, list[int], str]]     # (name, shape, dtype) per tensor, in send order
 
 
-def weight_meta(named, dtype: str | None = None) -> Meta:
+def weight_layout(named, dtype: str | None = None) -> Layout:
     """(name, shape, dtype) of (name, tensor) pairs; dtype: the one they travel in (default: their own)."""
     return [(n, list(t.shape), dtype or str(t.dtype).removeprefix("torch.")) for n, t in named]
 
 
-def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
-    """Indices of `meta` grouped into buckets of one dtype and about bucket_bytes each."""
+def plan_buckets(layout: Layout, bucket_bytes: int) -> list[list[int]]:
+    """Indices of `layout` grouped into buckets of one dtype and about bucket_bytes each."""
     buckets, cur, size, cur_dtype = [], [], 0, None
-    for i, (_, shape, dtype) in enumerate(meta):
+    for i, (_, shape, dtype) in enumerate(layout):
         nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
         if cur and (size + nbytes > bucket_bytes or dtype != cur_dtype):
             buckets.append(cur)
@@ -56,8 +56,8 @@ def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def meta_bytes(meta: Meta) -> int:
-    return sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, shape, dtype in meta)
+def layout_bytes(layout: Layout) -> int:
+    return sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, shape, dtype in layout)
 
 
 @dataclass(frozen=True)
@@ -154,15 +154,15 @@ def broadcast(pg, t: torch.Tensor, who: str, phase: str, timeout_s: float):
         raise RuntimeError(f"{who}: {phase} failed or timed out: {e}") from None
 
 
-def pack(named, meta: Meta, idx: list[int], flat: torch.Tensor, who: str):
-    """The next len(idx) weights of `named` (an iterator, in meta's order) into `flat`, one bucket, each
-    cast to its meta dtype."""
+def pack(named, layout: Layout, idx: list[int], flat: torch.Tensor, who: str):
+    """The next len(idx) weights of `named` (an iterator, in layout's order) into `flat`, one bucket, each
+    cast to its layout dtype."""
     parts = []
     for i in idx:
         name, t = next(named)
-        if name != meta[i][0]:
-            raise ValueError(f"{who}: weight {name} arrived where the plan has {meta[i][0]}")
-        parts.append(t.detach().reshape(-1).to(flat.device, getattr(torch, meta[i][2])))
+        if name != layout[i][0]:
+            raise ValueError(f"{who}: weight {name} arrived where the plan has {layout[i][0]}")
+        parts.append(t.detach().reshape(-1).to(flat.device, getattr(torch, layout[i][2])))
     torch.cat(parts, out=flat)
 
 
@@ -188,8 +188,8 @@ class Sender:
                             "world_size": 1 + num_engines * workers_per_engine,
                             "workers_per_engine": workers_per_engine})
 
-    def send(self, spec: GroupSpec, named, meta: Meta, who: str = "trainer rank 0"):
-        """Broadcast `named` ((name, tensor) in meta's order; an iterator is consumed once, bucket by
+    def send(self, spec: GroupSpec, named, layout: Layout, who: str = "trainer rank 0"):
+        """Broadcast `named` ((name, tensor) in layout's order; an iterator is consumed once, bucket by
         bucket, so the sender's extra memory is one bucket) over spec's group. Collective with
         every worker's receive. On a failure the iterator is still drained before the error is
         raised: FSDP's gathers behind it are collectives of every trainer rank."""
@@ -198,14 +198,14 @@ class Sender:
             if self.gen != spec.gen:      # a new generation: drop the old group (if any) before forming it
                 self.pg = None
                 self.pg, self.gen = open_group(spec, 0, self.store), spec.gen
-            plan = plan_buckets(meta, spec.bucket_bytes)
-            nbytes = [meta_bytes([meta[i] for i in idx]) for idx in plan]
+            plan = plan_buckets(layout, spec.bucket_bytes)
+            nbytes = [layout_bytes([layout[i] for i in idx]) for idx in plan]
             # one bucket, reused: no fresh pages
             if self.buf is None or self.buf.numel() < max(nbytes, default=0):
                 self.buf = torch.empty(max(nbytes), dtype=torch.uint8, device=self.device)
             for b, idx in enumerate(plan):
-                flat = self.buf[:nbytes[b]].view(getattr(torch, meta[idx[0]][2]))
-                pack(named, meta, idx, flat, who)
+                flat = self.buf[:nbytes[b]].view(getattr(torch, layout[idx[0]][2]))
+                pack(named, layout, idx, flat, who)
                 broadcast(self.pg, flat, who, f"weight broadcast bucket {b} (gen {spec.gen})", spec.timeout_s)
         except BaseException:
             abort_group(self.pg)               # a group that failed once is not used again
@@ -237,7 +237,7 @@ class GroupTransport:
         bucket_bytes), or None."""
         return Sender(**where, backend=backend) if rank == 0 else None
 
-    def receive_failed(self, spec: GroupSpec, first_rank: int, meta: Meta, error: BaseException):
+    def receive_failed(self, spec: GroupSpec, first_rank: int, layout: Layout, error: BaseException):
         """The engine's receive ended otherwise than by its workers' answer (it died): the group's members
         find out by themselves (their waits fail)."""
 
@@ -256,7 +256,7 @@ class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls="weight_sync.WeightSyncWorker"); its
     methods run in the worker process, called by collective_rpc."""
 
-    def receive_weights(self, spec: dict, first_rank: int, meta: Meta, load: tuple | None = None) -> dict:
+    def receive_weights(self, spec: dict, first_rank: int, layout: Layout, load: tuple | None = None) -> dict:
         """Join spec's group (first time, or a new generation) as first_rank + this worker's rank,
         receive every bucket and load it as it arrives (spec.receiver: another transport's receive does
         this part). load ("module:function", its argument): what to do with the tensors instead of vLLM's
@@ -266,7 +266,7 @@ class WeightSyncWorker:
         t0 = time.monotonic()
         spec = GroupSpec(**spec)
         if spec.receiver:
-            return named_function(spec.receiver)(self, spec, first_rank, meta, load)
+            return named_function(spec.receiver)(self, spec, first_rank, layout, load)
         rank = first_rank + getattr(self, "rank", 0)
         who = f"engine worker (weight-sync rank {rank}, gen {spec.gen})"
         if getattr(self, "_sync_gen", None) != (spec.host, spec.port, spec.prefix, spec.gen):
@@ -280,11 +280,11 @@ class WeightSyncWorker:
         device = self.model_runner.device
         count, wait = [0], [0.0]
 
-        plan = plan_buckets(meta, spec.bucket_bytes)
-        sizes = [[torch.Size(meta[i][1]).numel() for i in idx] for idx in plan]    # elements per tensor
+        plan = plan_buckets(layout, spec.bucket_bytes)
+        sizes = [[torch.Size(layout[i][1]).numel() for i in idx] for idx in plan]    # elements per tensor
 
         def post(b: int):         # start receiving bucket b (gloo/NCCL run it on their own thread/stream)
-            flat = torch.empty(sum(sizes[b]), dtype=getattr(torch, meta[plan[b][0]][2]), device=device)
+            flat = torch.empty(sum(sizes[b]), dtype=getattr(torch, layout[plan[b][0]][2]), device=device)
             return flat, self._sync_pg.broadcast(flat, 0)
 
         def tensors():            # bucket b + 1 arrives while reload_weights loads bucket b
@@ -303,7 +303,7 @@ class WeightSyncWorker:
                 pending = post(b + 1) if b + 1 < len(plan) else None
                 for i, chunk in zip(idx, torch.split(flat, sizes[b])):
                     count[0] += 1
-                    yield meta[i][0], chunk.view(meta[i][1])
+                    yield layout[i][0], chunk.view(layout[i][1])
 
         self.load(tensors(), load)
         return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}

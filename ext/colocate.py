@@ -3,8 +3,8 @@ sent (--weight-transport ipc, --colocate's: trainer rank i -> engine i as IPC ha
 
     torchrun --nproc-per-node 8 train.py --rollout-gpus 4 --train-gpus 4 --colocate --async-ratio 0
     sender = IpcSender(host, port, store=store, engine=i, device=device)   # trainer rank i (ipc transport)
-    sender.send(sender.spec().with_gen(gen, seq), trainer.iter_full_state(), meta)
-    IpcReceiver(store, spec, i, meta, device, slots, who).stream()   # engine i's worker, meanwhile
+    sender.send(sender.spec().with_gen(gen, seq), trainer.iter_full_state(), layout)
+    IpcReceiver(store, spec, i, layout, device, slots, who).stream()   # engine i's worker, meanwhile
 
 --colocate: rollout rank i runs on trainer rank i's GPU; before each batch trains the engines sleep
 (vLLM's sleep mode frees their memory: Extension.before_train), and the next sync wakes them; each engine
@@ -40,7 +40,7 @@ from buffer import Cmd, Command, Phase
 from config import Extension, extension, opt
 from ext import memplan
 from ext.memplan import BUFFERS       # bucket buffers per sender (there: the memory plan counts them)
-from weight_sync import TRANSPORTS, GroupSpec, Meta, meta_bytes, pack, plan_buckets
+from weight_sync import TRANSPORTS, GroupSpec, Layout, layout_bytes, pack, plan_buckets
 
 
 def keys(store, spec: GroupSpec, engine: int):
@@ -81,13 +81,13 @@ def post_failure(store, names: list[str], reason: str):
             store.set(name, pickle.dumps({"failed": reason}))
 
 
-def tell_sender(spec: GroupSpec, engine: int, meta: Meta, reason: str):
+def tell_sender(spec: GroupSpec, engine: int, layout: Layout, reason: str):
     """From outside the worker (its rollout rank): wake engine `engine`'s sender, whichever ack it waits
     for, with `reason` (best effort, within seconds)."""
     from torch.distributed import TCPStore
     with contextlib.suppress(Exception):
         store = TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=10))
-        n = len(plan_buckets(meta, spec.bucket_bytes))
+        n = len(plan_buckets(layout, spec.bucket_bytes))
         post_failure(keys(store, spec, engine), [f"ack{k}" for k in range(n)], reason)
 
 
@@ -167,17 +167,17 @@ class IpcSender:
                     buf.share_memory_()
             self.bufs.append(buf)
 
-    def send(self, spec: GroupSpec, named, meta: Meta):
-        """Hand `named` ((name, tensor) in meta's order, consumed once, bucket by bucket) to engine
+    def send(self, spec: GroupSpec, named, layout: Layout):
+        """Hand `named` ((name, tensor) in layout's order, consumed once, bucket by bucket) to engine
         self.engine's worker, which receives at the same time. Returns once the worker has copied
         every bucket. On a failure the iterator is still drained (FSDP's gathers are collectives)."""
         named = iter(named)
         store = keys(self.store, spec, self.engine)
         who = f"{self.who} -> engine {self.engine} (weight-sync ipc, gen {spec.gen}, sync {spec.seq})"
-        plan = plan_buckets(meta, spec.bucket_bytes)
+        plan = plan_buckets(layout, spec.bucket_bytes)
         b = 0
         try:
-            nbytes = [meta_bytes([meta[i] for i in idx]) for idx in plan]
+            nbytes = [layout_bytes([layout[i] for i in idx]) for idx in plan]
             self._buffers(max(nbytes, default=0))
             announced = set()
             for b, idx in enumerate(plan):
@@ -185,8 +185,8 @@ class IpcSender:
                 if b >= BUFFERS:
                     take(store, f"ack{b - BUFFERS}", spec.timeout_s, who,
                          f"bucket {b - BUFFERS}: waiting for the worker's ack to reuse its buffer")
-                flat = self.bufs[slot][:nbytes[b]].view(getattr(torch, meta[idx[0]][2]))
-                pack(named, meta, idx, flat, who)
+                flat = self.bufs[slot][:nbytes[b]].view(getattr(torch, layout[idx[0]][2]))
+                pack(named, layout, idx, flat, who)
                 if flat.is_cuda:         # written before the worker reads (reduce_tensor's event: only once)
                     torch.cuda.current_stream(flat.device).synchronize()
                 handle = b"" if slot in announced else handle_of(self.bufs[slot])
@@ -209,39 +209,39 @@ class IpcReceiver:
     syncs: a handle is opened once); waited: seconds spent waiting for buckets. fail(reason): tell
     the sender (whatever failed: the stream, or vLLM's load of what it yielded)."""
 
-    def __init__(self, store, spec: GroupSpec, engine: int, meta: Meta, device: torch.device, slots: dict,
+    def __init__(self, store, spec: GroupSpec, engine: int, layout: Layout, device: torch.device, slots: dict,
                  who: str):
-        self.store, self.spec, self.meta, self.device, self.slots = keys(store, spec, engine), spec, meta, \
-            device, slots
-        self.who, self.plan = who, plan_buckets(meta, spec.bucket_bytes)
+        self.store, self.spec, self.layout = keys(store, spec, engine), spec, layout
+        self.device, self.slots = device, slots
+        self.who, self.plan = who, plan_buckets(layout, spec.bucket_bytes)
         self.acked, self.waited = 0, 0.0        # buckets acked so far; seconds waiting for buckets
 
     def stream(self):
-        meta, plan = self.meta, self.plan
+        layout, plan = self.layout, self.plan
         for b, idx in enumerate(plan):
             t = time.monotonic()
             slot, nbytes, handle = take(self.store, f"b{b}", self.spec.timeout_s, self.who,
                                         f"bucket {b}: waiting for it")
             self.waited += time.monotonic() - t
-            if nbytes != meta_bytes([meta[i] for i in idx]):
+            if nbytes != layout_bytes([layout[i] for i in idx]):
                 raise RuntimeError(f"{self.who}: bucket {b} has {nbytes} bytes, this worker's plan "
-                                   f"{meta_bytes([meta[i] for i in idx])}: the two sides' meta differ")
+                                   f"{layout_bytes([layout[i] for i in idx])}: the two sides' layout differ")
             if handle:
                 self.slots[slot] = rebuild(handle, self.device, self.who)
-            flat = self.slots[slot][:nbytes].view(getattr(torch, meta[idx[0]][2])).clone()
+            flat = self.slots[slot][:nbytes].view(getattr(torch, layout[idx[0]][2])).clone()
             if flat.is_cuda:             # copied before the sender refills the slot
                 torch.cuda.current_stream(flat.device).synchronize()
             self.store.set(f"ack{b}", pickle.dumps(None))
             self.acked = b + 1
-            for i, chunk in zip(idx, torch.split(flat, [torch.Size(meta[i][1]).numel() for i in idx])):
-                yield meta[i][0], chunk.view(meta[i][1])
+            for i, chunk in zip(idx, torch.split(flat, [torch.Size(layout[i][1]).numel() for i in idx])):
+                yield layout[i][0], chunk.view(layout[i][1])
 
     def fail(self, reason: str):
         """Wake the sender, waiting for an ack, with `reason`."""
         post_failure(self.store, [f"ack{k}" for k in range(self.acked, len(self.plan))], reason)
 
 
-def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
+def receive(worker, spec: GroupSpec, first_rank: int, layout: Layout, load) -> dict:
     """The worker side (GroupSpec.receiver): engine `engine`'s buckets, handed over by trainer rank `engine`
     through the run's store, loaded as they arrive (weight_sync.WeightSyncWorker.load)."""
     t0 = time.monotonic()
@@ -253,7 +253,7 @@ def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
     if getattr(worker, "_ipc_at", None) != (spec.host, spec.port):
         worker._ipc_store, worker._ipc_at = connect(spec), (spec.host, spec.port)
         worker._ipc_slots = {}
-    rx = IpcReceiver(worker._ipc_store, spec, engine, meta, worker.model_runner.device, worker._ipc_slots,
+    rx = IpcReceiver(worker._ipc_store, spec, engine, layout, worker.model_runner.device, worker._ipc_slots,
                      who)
     try:
         worker.load(rx.stream(), load)
@@ -261,7 +261,7 @@ def receive(worker, spec: GroupSpec, first_rank: int, meta: Meta, load) -> dict:
         if not isinstance(e, PeerFailed):
             rx.fail(f"{who}: {e}")
         raise
-    return {"tensors": len(meta), "wait_s": rx.waited, "total_s": time.monotonic() - t0}
+    return {"tensors": len(layout), "wait_s": rx.waited, "total_s": time.monotonic() - t0}
 
 
 class IpcTransport:
@@ -286,11 +286,11 @@ class IpcTransport:
     def sender(self, rank: int, backend: str, **where):
         return IpcSender(**where, engine=rank, rank=rank)
 
-    def receive_failed(self, spec: GroupSpec, first_rank: int, meta: Meta, error: BaseException):
+    def receive_failed(self, spec: GroupSpec, first_rank: int, layout: Layout, error: BaseException):
         """The engine's receive ended otherwise than by its worker's answer (it died): tell the trainer rank
         waiting for its acks at once, not at its timeout."""
         engine = (first_rank - 1) // spec.workers_per_engine
-        tell_sender(spec, engine, meta, f"engine {engine}: its receive ended: {error!r}")
+        tell_sender(spec, engine, layout, f"engine {engine}: its receive ended: {error!r}")
 
 
 TRANSPORTS["ipc"] = IpcTransport()

@@ -62,9 +62,9 @@ def sync_bytes(counts: dict, dtype: str, bucket_bytes: int, buffers: int) -> int
     weight gathered at a time, in the engine's dtype."""
     import torch
 
-    from weight_sync import meta_bytes, plan_buckets
-    meta = [("", shape, dtype) for shape in counts["sent"]]
-    buckets = [meta_bytes([meta[i] for i in idx]) for idx in plan_buckets(meta, bucket_bytes)]
+    from weight_sync import layout_bytes, plan_buckets
+    layout = [("", shape, dtype) for shape in counts["sent"]]
+    buckets = [layout_bytes([layout[i] for i in idx]) for idx in plan_buckets(layout, bucket_bytes)]
     largest = max(torch.Size(shape).numel() for shape in counts["sent"]) * getattr(torch, dtype).itemsize
     return buffers * max(buckets) + largest
 

@@ -4,7 +4,7 @@ gradients accumulate, and one optimizer step follows once the batch is complete.
 before that step, so it is exact.
 
     stream = TrainStream(group_size, backend, timeout_s, "grpo")  # rl_step's side: groups in, a worker trains
-    step = await rl_step(ctrl, stream, send, meta, group)           # collect(stream.add) as groups complete
+    step = await rl_step(ctrl, stream, send, layout, spec)            # collect(stream.add) as groups complete
     grad = GradStream(trainer); grad.begin(v); grad.micro(samples, adv); grad.step()   # every trainer rank
     dealer = Dealer(world, micro_batch, max_tokens)          # rank 0: arrivals -> micro-batches per rank
 
@@ -63,7 +63,7 @@ class GradStream:
         # on the trainer's device: an NCCL group takes only tensors on its GPU
         den = torch.tensor([self.den], dtype=torch.float64, device=tr.device)
         if tr.fsdp:       # FSDP averaged the ranks' gradients: times world / the ranks' total
-            dist.all_reduce(den, group=tr.group)
+            dist.all_reduce(den, group=tr.trainer_group)
         scale = tr.world / den.item() if den.item() > 0 else 0.0
         for p in tr.model.parameters():
             if p.grad is not None:

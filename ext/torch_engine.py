@@ -269,7 +269,7 @@ class TorchEngine:
     async def set_version(self, version: int) -> None:
         self.version = version
 
-    async def receive_weights(self, spec, first_rank: int, meta) -> list[dict] | None:
+    async def receive_weights(self, spec, first_rank: int, layout) -> list[dict] | None:
         """The trainer's weights, in one process: the inprocess transport's (HANDOFF, from the trainer's
         sender in its sync thread), loaded while the engine is paused; returns the timings. spec None: none
         to receive (the caller loads them with load_state)."""
@@ -351,7 +351,7 @@ class InProcessSender:
         return GroupSpec("", 0, "inprocess", gen, 1 + num_engines, workers_per_engine,
                          timeout_s=self.timeout_s, transport="inprocess")
 
-    def send(self, spec: GroupSpec, named, meta):
+    def send(self, spec: GroupSpec, named, layout):
         HANDOFF.put((spec.seq, [(name, t.detach().clone()) for name, t in named]))
 
 
@@ -366,7 +366,7 @@ class InProcessTransport:
     def sender(self, rank: int, backend: str, timeout_s: float = 600.0, **where):
         return InProcessSender(timeout_s) if rank == 0 else None
 
-    def receive_failed(self, spec, first_rank: int, meta, error: BaseException):
+    def receive_failed(self, spec, first_rank: int, layout, error: BaseException):
         """Nothing to tell: the trainer's send has handed its weights over already."""
 
 

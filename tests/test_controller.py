@@ -76,7 +76,7 @@ def test_sync_timeout_names_the_rank_that_did_not_ack():
     finish_sync), and a rank that never acks is named."""
     async def main():
         c = controller(timeout_s=0.2)
-        out = await c.sync_weights(1, send_fn=lambda group: None)
+        out = await c.sync_weights(1, send_fn=lambda spec: None)
         assert c.version == 1 and "sync_probe_max_diff" not in out      # nothing earlier to report
         sent = [c.buffer.transport.get_many_nowait("commands", 9, r) for r in (0, 1)]
         assert [[(m.kind, m.version) for m in cmds] for cmds in sent] == [[(Cmd.SYNC, 1)]] * 2
@@ -84,7 +84,7 @@ def test_sync_timeout_names_the_rank_that_did_not_ack():
         await c.buffer.put_ack(Ack(0, Phase.SYNCED, 1, engine={"busy_s": 1.0, "idle_s": 1.0},
                                    timings={"receive_s": 0.1, "load_s": 0.2}))
         with pytest.raises(TimeoutError, match=r"rollout rank\(s\) \[1\] did not ack synced for version 1"):
-            await c.sync_weights(2, send_fn=lambda group: None)
+            await c.sync_weights(2, send_fn=lambda spec: None)
     asyncio.run(main())
 
 
@@ -95,13 +95,13 @@ def test_previous_sync_is_reported_by_the_next():
         await c.buffer.put_ack(Ack(1, Phase.READY, engine={"busy_s": 0.0, "idle_s": 1.0}, probe=[-1.0, -2.5]))
         ready = await c.wait_ready(probe_ref=[-1.0, -2.0])
         assert ready["sync_probe_max_diff"] == 0.5 and ready["synced_version"] == 0
-        first = await c.sync_weights(1, send_fn=lambda group: None, probe_ref=[-3.0, -3.0])
+        first = await c.sync_weights(1, send_fn=lambda spec: None, probe_ref=[-3.0, -3.0])
         assert first["sync_probe_max_diff"] == 0.5 and first["synced_version"] == 0   # READY's check, once
         for r, busy in ((0, 1.5), (1, 0.5)):     # each engine: 2 s since READY, busy 1.5 and 0.5 of them
             await c.buffer.put_ack(Ack(r, Phase.SYNCED, 1, engine={"busy_s": busy, "idle_s": 3.0 - busy},
                                        probe=[-3.0, -3.25 + r],
                                        timings={"receive_s": 0.1 * r, "load_s": 0.3}))
-        second = await c.sync_weights(2, send_fn=lambda group: None)
+        second = await c.sync_weights(2, send_fn=lambda spec: None)
         assert second["synced_version"] == 1 and second["sync_probe_max_diff"] == 0.75
         assert second["rollout_utilisation"] == pytest.approx(0.5)          # 2 busy of 4 engine-seconds
         assert (second["time_receive"], second["time_engine_load"]) == (0.1, 0.3)

@@ -207,8 +207,8 @@ def check_updates_land(lt, proxy, model, tok, tied: bool, transport: str = "grou
     """Three updates in several buckets each (about 20 here: buckets of 256 KiB), over `transport`; after each
     the engine's logprobs of a probe are the reference model's under the same weights (parameters
     cannot be compared: on CPU vLLM prepacks linear layers, whose .weight then reads as zeros)."""
-    from weight_sync import plan_buckets, weight_meta
-    assert len(plan_buckets(weight_meta(model.named_parameters()), 1 << 18)) >= 8
+    from weight_sync import plan_buckets, weight_layout
+    assert len(plan_buckets(weight_layout(model.named_parameters()), 1 << 18)) >= 8
     assert model.config.tie_word_embeddings == tied
     probe = tok.encode("123+456=579")
     v0 = proxy.version

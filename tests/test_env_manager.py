@@ -573,7 +573,7 @@ def test_one_weight_update_ack_sequence_and_payloads(tok):
         acks = [await buf.get_ack("ready", timeout=10)]
         await asyncio.sleep(5 * STEP)
         t0 = now()
-        await buf.send_command(0, Command(Cmd.SYNC, 1, meta=[("w", [3], "float32")], probe=True))
+        await buf.send_command(0, Command(Cmd.SYNC, 1, layout=[("w", [3], "float32")], probe=True))
         acks.append(await buf.get_ack("synced", timeout=100))
         elapsed = now() - t0
         after = (m.proxy.status, m.proxy.version, m.proxy.engine.num_loads, m.stats()["in_flight"])
@@ -1011,7 +1011,7 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         m = make_manager(buf, tok, cfg=rcfg(max_model_len=2000), length_sampler=lambda rng: 5)
         fresh_engines = with_engine_restarts(m)
         run = asyncio.create_task(m.run())
-        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # generation 0
+        await buf.send_command(0, Command(Cmd.SYNC, 3, spec=group_spec()))   # generation 0
         await acks_until(buf, Phase.SYNCED, 3)
         for i in range(4):
             await buf.put_tasks([add_task(f"t{i}", f"g{i}", target_len=1000)])
@@ -1025,10 +1025,10 @@ def test_a_wedged_engine_is_replaced_and_waits_for_weights_and_its_samples_count
         await buf.put_tasks([add_task("after", "g9")])
         await asyncio.sleep(20 * STEP)
         waiting = (m.proxy.status, fresh_engines[0].num_loads, buf.get_sample_nowait())
-        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec()))   # the old generation: not joined
+        await buf.send_command(0, Command(Cmd.SYNC, 3, spec=group_spec()))   # the old generation: not joined
         stale = (await acks_until(buf, Phase.SYNCED, 3))[-1]
         loads_then = fresh_engines[0].num_loads
-        await buf.send_command(0, Command(Cmd.SYNC, 3, group=group_spec().with_gen(1)))   # the resync
+        await buf.send_command(0, Command(Cmd.SYNC, 3, spec=group_spec().with_gen(1)))   # the resync
         await acks_until(buf, Phase.SYNCED, 3)
         [(_, after)] = await collect(buf, 1, timeout=200)
         [stats] = await stop_all(buf, [m], [run])
@@ -1185,7 +1185,7 @@ def test_the_controller_syncs_a_replaced_engine_again_over_a_new_group_while_col
         runs = [asyncio.create_task(m.run()) for m in managers]
         await ctrl.wait_ready()
         sent = []
-        await ctrl.sync_weights(1, sent.append, meta=[("w", [2], "float32")], group=group_spec())
+        await ctrl.sync_weights(1, sent.append, layout=[("w", [2], "float32")], spec=group_spec())
         await ctrl.finish_sync()
         managers[1].proxy.engine.hang = True              # rank 1's engine wedges, with or without work
         await buf.put_tasks([add_task("x", "gx", target_len=1000)])
@@ -1221,12 +1221,12 @@ def test_a_broadcast_that_fails_is_sent_again_over_a_new_group(tok):
             m.proxy.engine.receive_weights = breaks_once
         sent = []
 
-        def send(group):
-            sent.append(group.gen)
+        def send(spec):
+            sent.append(spec.gen)
             if len(sent) == 1:
                 raise RuntimeError("trainer rank 0: weight broadcast bucket 0 (gen 0) failed")
-        await ctrl.sync_weights(1, send, meta=[("w", [2], "float32")], group=group_spec())
-        report = await ctrl.sync_weights(2, send, meta=[("w", [2], "float32")], group=group_spec())
+        await ctrl.sync_weights(1, send, layout=[("w", [2], "float32")], spec=group_spec())
+        report = await ctrl.sync_weights(2, send, layout=[("w", [2], "float32")], spec=group_spec())
         await ctrl.finish_sync()
         state = [(m.proxy.status, m.proxy.version, m.proxy.engine.num_loads) for m in managers]
         await ctrl.stop()
@@ -1265,7 +1265,7 @@ def test_a_sleep_during_evaluation_runs_the_aborted_tasks_again_and_the_round_co
         assert len(managers[0].jobs) == 6
         await sleep_engines(ctrl)                     # the trainer takes the GPU
         aborted = managers[0].counters["aborted_by_request"]
-        await ctrl.sync_weights(1, send_fn=lambda group: None)   # wakes the engine
+        await ctrl.sync_weights(1, send_fn=lambda spec: None)   # wakes the engine
         result = await ev.finish()
         await ctrl.stop()
         await run

@@ -77,7 +77,8 @@ def test_weight_transport_flags(capsys):
                            "--colocate --weight-transport group: NCCL refuses"),
                           (["--weight-transport", "ipc", "--rollout-gpus", "2"],
                            "--weight-transport ipc: .* needs --rollout-gpus == --train-gpus"),
-                          (["--weight-transport", "nccl"], "--weight-transport must be auto, group or ipc")):
+                          (["--weight-transport", "nccl"],
+                           "--weight-transport must be auto, group, ipc or inprocess")):
         with pytest.raises(SystemExit):
             parse_cli(Config, args)
         assert re.search(message, capsys.readouterr().err), args
@@ -124,7 +125,7 @@ def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
             batch, _ = await ctrl.collect()
             await sleep_engines(ctrl)
             seen.append((proxy.asleep, proxy.engine.asleep, proxy.status, len(batch)))
-            await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda group: None)
+            await ctrl.sync_weights(ctrl.version + 1, send_fn=lambda spec: None)
         await ctrl.finish_sync()
         after = (proxy.asleep, proxy.status, proxy.engine.num_loads, proxy.version)
         await ctrl.stop()

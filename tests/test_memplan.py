@@ -1,4 +1,4 @@
-"""memplan.py: parameter counts from the meta device, the plan's arithmetic, and train.py --dry-run (the
+"""memplan.py: parameter counts from the layout device, the plan's arithmetic, and train.py --dry-run (the
 plan, then an exit before any process group or engine; a Qwen2.5-7B config, nothing downloaded). The plan
 against measured peaks: tools/bench_trainer.py memplan."""
 
@@ -68,8 +68,8 @@ def test_colocated_headroom_holds_both_ipc_buffers_at_the_size_of_the_embedding(
     plan = memplan.make_plan(hf, cfg, gpu=True)
     embedding = 152_064 * 3584 * 2                                   # bytes, bfloat16
     assert embedding > cfg.bucket_mb << 20
-    meta = [("", shape, "bfloat16") for shape in plan.counts["sent"]]
-    assert len(meta) == 339 and [0] in plan_buckets(meta, cfg.bucket_mb << 20)    # the embedding: alone
+    layout = [("", shape, "bfloat16") for shape in plan.counts["sent"]]
+    assert len(layout) == 339 and [0] in plan_buckets(layout, cfg.bucket_mb << 20)    # the embedding: alone
     assert plan.trainer["weight sync"] == 2 * embedding + embedding  # 2 buffers + the weight in hand
     t = plan.trainer
     assert memplan.colocated_headroom(t, cfg.bucket_mb << 20) == (

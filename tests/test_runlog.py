@@ -239,7 +239,7 @@ def test_controller_forwards_each_acks_events_once():
         for r in (0, 1):
             await c.buffer.put_ack(Ack(r, Phase.READY, engine={"busy_s": 0.0, "idle_s": 1.0}))
         await c.wait_ready()
-        await c.sync_weights(1, send_fn=lambda group: None)
+        await c.sync_weights(1, send_fn=lambda spec: None)
         for r in (0, 1):
             await c.buffer.put_ack(Ack(r, Phase.SYNCED, 1, engine={"busy_s": 0.5, "idle_s": 1.0},
                                        timings={"receive_s": 0.1, "load_s": 0.1},

@@ -155,10 +155,10 @@ def test_a_weight_transport_is_one_file_and_no_core_edit(plug, tmp_path):
     g = torch.Generator().manual_seed(1)
     for seq in (1, 2):
         named = [("a.weight", torch.randn(8, 4, generator=g)), ("b.bias", torch.randn(4, generator=g))]
-        meta = weight_sync.weight_meta(named, "bfloat16")
+        layout = weight_sync.weight_layout(named, "bfloat16")
         spec = sender.spec(0, 1).with_gen(0, seq)
-        sender.send(spec, iter(named), meta)
-        out = worker.receive_weights(dataclasses.asdict(spec), 1, meta)
+        sender.send(spec, iter(named), layout)
+        out = worker.receive_weights(dataclasses.asdict(spec), 1, layout)
         assert out["tensors"] == 2
         got = worker.model_runner.got
         assert [n for n, _ in got] == ["a.weight", "b.bias"]

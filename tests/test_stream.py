@@ -207,7 +207,7 @@ def test_trainer_group_collectives_get_tensors_on_the_trainers_device(tiny_model
         monkeypatch.setattr(dist, name, checked(name))
     for module in (stream, trainer):
         monkeypatch.setattr(module, "torch", DefaultElsewhere("torch"))
-    tr.fsdp, tr.group = True, trainer_group
+    tr.fsdp, tr.trainer_group = True, trainer_group
     samples, adv = make_samples(tiny_model_dir, n=4), [1.0, -1.0, 1.0, -1.0]
     tr.train_step(samples, adv, version=0)               # the plan's micro-batch counts
     grad = GradStream(tr)

@@ -162,7 +162,7 @@ def _checkpoint_and_sync_worker(rank, world, port, model_dir, out_dir, result):
     """One of `world` FSDP ranks: a checkpoint, then a weight sync (TrainerRanks' own part, rank 0's sender
     a recording one) in bfloat16, the engine's dtype; what each held and gathered, saved per rank."""
     from ranks import TrainerRanks
-    from weight_sync import GroupSpec, weight_meta
+    from weight_sync import GroupSpec, weight_layout
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tr = Trainer(model_dir, TrainConfig(loss="ppo"), dist.group.WORLD)
@@ -172,7 +172,7 @@ def _checkpoint_and_sync_worker(rank, world, port, model_dir, out_dir, result):
     ranks = TrainerRanks(tr, world, dist.group.WORLD, out_dir, model_dir, [],
                          store=dist.distributed_c10d._get_default_store())
     ranks.sender = RecordingSender() if rank == 0 else None
-    meta = weight_meta(tr.named_weights(), "bfloat16")
+    meta = weight_layout(tr.named_weights(), "bfloat16")
     with GatherDtypes() as gathers:
         ranks._send(GroupSpec("127.0.0.1", port, "t", 0, 2), meta)
     out.update(gathers=gathers.dtypes, synced=ranks.sender.got if rank == 0 else None)
@@ -390,7 +390,7 @@ def test_bf16_keeps_float32_masters_and_learns(tiny_model_dir):
     step moves each sample's logprob along its advantage. What the engines get is in their dtype: bfloat16
     halves the sync's bytes."""
     from runlog import PROBE_TOLERANCE
-    from weight_sync import meta_bytes, weight_meta
+    from weight_sync import layout_bytes, weight_layout
     samples = make_samples(tiny_model_dir)
     t = collate(samples, "cpu")
     fp32 = Trainer(str(tiny_model_dir), TrainConfig())
@@ -406,7 +406,7 @@ def test_bf16_keeps_float32_masters_and_learns(tiny_model_dir):
     assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
     assert {s["exp_avg"].dtype for s in tr.opt.state.values()} == {torch.float32}
     named = tr.named_weights()
-    assert 2 * meta_bytes(weight_meta(named, "bfloat16")) == meta_bytes(weight_meta(named, "float32"))
+    assert 2 * layout_bytes(weight_layout(named, "bfloat16")) == layout_bytes(weight_layout(named, "float32"))
 
 
 def test_fsdp_bf16_computes_in_bfloat16_and_reduces_in_float32(tiny_model_dir, tmp_path):

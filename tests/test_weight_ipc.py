@@ -21,12 +21,12 @@ import torch
 
 from test_weight_sync import NAMED, RecordingRunner
 from ext.colocate import BUFFERS, IpcSender
-from weight_sync import WeightSyncWorker, plan_buckets, weight_meta
+from weight_sync import WeightSyncWorker, plan_buckets, weight_layout
 
 FLOATS = [(n, t) for n, t in NAMED if t.is_floating_point()]
 
 
-def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tensor: int = -1,
+def _worker(specs: list, layout, out: str, die_at_tensor: int = -1, raise_at_tensor: int = -1,
             device: str = "cpu", visible: str | None = None):
     """Engine 0's worker: one receive_weights (the ipc receiver: engine 0, first rank 1) per spec; what was
     loaded, and the slots' addresses
@@ -47,7 +47,7 @@ def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tenso
         w.model_runner.reload_weights = failing
     for k, spec in enumerate(specs):
         try:
-            out_k = w.receive_weights(spec, 1, meta)
+            out_k = w.receive_weights(spec, 1, layout)
         except Exception as e:
             Path(f"{out}.error").write_text(str(e))
             raise SystemExit(1)
@@ -55,9 +55,9 @@ def _worker(specs: list, meta, out: str, die_at_tensor: int = -1, raise_at_tenso
                     "slots": {s: t.data_ptr() for s, t in w._ipc_slots.items()}}, f"{out}.{k}")
 
 
-def start_worker(specs, meta, out, **kw):
+def start_worker(specs, layout, out, **kw):
     p = multiprocessing.get_context("spawn").Process(
-        target=_worker, args=([dataclasses.asdict(s) for s in specs], meta, str(out)), kwargs=kw)
+        target=_worker, args=([dataclasses.asdict(s) for s in specs], layout, str(out)), kwargs=kw)
     p.start()
     return p
 
@@ -76,13 +76,13 @@ needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
                  id="cuda-worker-numbers-the-gpu-otherwise")])
 def test_three_syncs_bit_exact_in_the_engine_dtype_through_two_reused_buffers(tmp_path, device, worker):
     sender = IpcSender(timeout_s=60, bucket_bytes=4096, device=device)
-    meta = weight_meta(FLOATS, "bfloat16")                          # the engine's dtype: cast by the sender
-    assert len(plan_buckets(meta, 4096)) > BUFFERS                   # buffers must be reused within a sync
+    layout = weight_layout(FLOATS, "bfloat16")                        # the engine's dtype: cast by the sender
+    assert len(plan_buckets(layout, 4096)) > BUFFERS                   # buffers must be reused within a sync
     specs = [sender.spec().with_gen(0, k) for k in (1, 2, 3)]
-    p = start_worker(specs, meta, tmp_path / "w", **(worker or {}))
+    p = start_worker(specs, layout, tmp_path / "w", **(worker or {}))
     ptrs = []
     for k, spec in enumerate(specs):
-        sender.send(spec, iter([(n, t + k) for n, t in FLOATS]), meta)     # an iterator: bucket by bucket
+        sender.send(spec, iter([(n, t + k) for n, t in FLOATS]), layout)     # an iterator: bucket by bucket
         ptrs.append([b.data_ptr() for b in sender.bufs])
     p.join(60)
     assert p.exitcode == 0
@@ -102,9 +102,9 @@ def test_a_killed_worker_fails_the_sender_at_its_timeout_naming_the_bucket_and_t
     """No one tells the sender (here no rollout rank watches the engine): its wait for the ack that
     frees a buffer ends at the spec's timeout; the iterator is still drained (FSDP's gathers)."""
     sender = IpcSender(timeout_s=3, bucket_bytes=4096)
-    meta = weight_meta(FLOATS)
+    layout = weight_layout(FLOATS)
     spec = sender.spec().with_gen(0, 1)
-    p = start_worker([spec], meta, tmp_path / "w", die_at_tensor=0)
+    p = start_worker([spec], layout, tmp_path / "w", die_at_tensor=0)
     pulled = []
 
     def source():
@@ -113,7 +113,7 @@ def test_a_killed_worker_fails_the_sender_at_its_timeout_naming_the_bucket_and_t
             yield n, t
     with pytest.raises(TimeoutError, match=r"trainer rank 0 -> engine 0 \(weight-sync ipc, gen 0, sync 1\): "
                                            r"bucket \d+: waiting for the worker's ack.*within 3s"):
-        sender.send(spec, source(), meta)
+        sender.send(spec, source(), layout)
     assert pulled == [n for n, _ in FLOATS]
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
@@ -121,13 +121,13 @@ def test_a_killed_worker_fails_the_sender_at_its_timeout_naming_the_bucket_and_t
 
 def test_a_loader_error_in_the_worker_ends_the_sender_at_once_with_its_reason(tmp_path):
     sender = IpcSender(timeout_s=60, bucket_bytes=4096)
-    meta = weight_meta(FLOATS)
+    layout = weight_layout(FLOATS)
     spec = sender.spec().with_gen(0, 1)
-    p = start_worker([spec], meta, tmp_path / "w", raise_at_tensor=2)
+    p = start_worker([spec], layout, tmp_path / "w", raise_at_tensor=2)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"bucket \d+: waiting for the worker's ack.*the other side "
                                            r"failed: engine 0's worker .*vLLM's loader refused a weight"):
-        sender.send(spec, iter(FLOATS), meta)
+        sender.send(spec, iter(FLOATS), layout)
     assert time.monotonic() - t0 < 30                               # not the 60 s timeout
     p.join(30)
     assert p.exitcode == 1 and "refused" in (tmp_path / "w.error").read_text()
@@ -137,16 +137,16 @@ def test_a_sender_that_fails_ends_the_worker_at_once_naming_the_bucket(tmp_path)
     """The trainer's side fails after the first bucket (an FSDP gather, say): the worker's wait for the
     next bucket ends with the sender's reason, not at its 60 s timeout."""
     sender = IpcSender(timeout_s=60, bucket_bytes=4096)
-    meta = weight_meta(FLOATS)
+    layout = weight_layout(FLOATS)
     spec = sender.spec().with_gen(0, 1)
-    p = start_worker([spec], meta, tmp_path / "w")
+    p = start_worker([spec], layout, tmp_path / "w")
 
     def source():
         yield from FLOATS[:2]
         raise OSError("gather failed")
     t0 = time.monotonic()
     with pytest.raises(OSError, match="gather failed"):
-        sender.send(spec, source(), meta)
+        sender.send(spec, source(), layout)
     p.join(30)
     error = (tmp_path / "w.error").read_text()
     assert p.exitcode == 1 and time.monotonic() - t0 < 30
@@ -157,7 +157,7 @@ def test_a_sender_that_fails_ends_the_worker_at_once_naming_the_bucket(tmp_path)
 SENDER = """
 import sys, torch
 from ext.colocate import IpcSender
-from weight_sync import weight_meta
+from weight_sync import weight_layout
 named = [("w", torch.randn(1 << 18))]
 s = IpcSender(timeout_s=60, bucket_bytes=1 << 20)
 s._buffers(1 << 20)
@@ -190,10 +190,10 @@ def test_the_shared_memory_of_a_killed_sender_is_unlinked():
 @needs_2_gpus
 def test_cuda_ipc_into_a_worker_on_another_gpu_is_refused_naming_both(tmp_path):
     sender = IpcSender(timeout_s=60, bucket_bytes=4096, device="cuda:0")
-    meta = weight_meta(FLOATS)
+    layout = weight_layout(FLOATS)
     spec = sender.spec().with_gen(0, 1)
-    p = start_worker([spec], meta, tmp_path / "w", device="cuda:0", visible="1")
+    p = start_worker([spec], layout, tmp_path / "w", device="cuda:0", visible="1")
     with pytest.raises(RuntimeError, match="the other side failed"):
-        sender.send(spec, iter(FLOATS), meta)
+        sender.send(spec, iter(FLOATS), layout)
     p.join(60)
     assert "CUDA IPC hands over memory of one GPU" in (tmp_path / "w.error").read_text()

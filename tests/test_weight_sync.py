@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from weight_sync import Sender, WeightSyncWorker, meta_bytes, plan_buckets, weight_meta
+from weight_sync import Sender, WeightSyncWorker, layout_bytes, plan_buckets, weight_layout
 
 NAMED = [("a.weight", torch.randn(100, 10)), ("a.bias", torch.randn(10)), ("b.weight", torch.randn(64, 64)),
          ("steps", torch.arange(7)), ("c.weight", torch.randn(3, 3))]
@@ -32,7 +32,7 @@ class RecordingRunner:
         return torch.nn.Module()
 
 
-def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -1, ready=None):
+def _worker(first_rank: int, specs: list, layout, out: str, die_at_tensor: int = -1, ready=None):
     """One engine worker: receive one sync per spec, save what was loaded after each. `ready` is set once
     its imports are done (the group's helpers included), so a short group timeout times the sync, not
     the start of a process on a busy machine."""
@@ -47,14 +47,14 @@ def _worker(first_rank: int, specs: list, meta, out: str, die_at_tensor: int = -
                     os.kill(os.getpid(), signal.SIGKILL)
         w.model_runner.reload_weights = dying
     for k, spec in enumerate(specs):
-        w.receive_weights(spec, first_rank, meta)
+        w.receive_weights(spec, first_rank, layout)
         torch.save(w.model_runner.got, f"{out}.{first_rank}.{k}")
 
 
-def start_workers(specs, meta, out, ranks=(1, 2), die=None):
+def start_workers(specs, layout, out, ranks=(1, 2), die=None):
     ctx = multiprocessing.get_context("spawn")
     ready = [ctx.Event() for _ in ranks]
-    procs = [ctx.Process(target=_worker, args=(r, [dataclasses.asdict(s) for s in specs], meta, str(out),
+    procs = [ctx.Process(target=_worker, args=(r, [dataclasses.asdict(s) for s in specs], layout, str(out),
                                                (die or {}).get(r, -1), e)) for r, e in zip(ranks, ready)]
     for p in procs:
         p.start()
@@ -64,20 +64,20 @@ def start_workers(specs, meta, out, ranks=(1, 2), die=None):
 
 
 def test_bucket_plan_covers_every_weight_in_order_one_dtype_per_bucket():
-    meta = weight_meta(NAMED)
-    plan = plan_buckets(meta, 4096)
+    layout = weight_layout(NAMED)
+    plan = plan_buckets(layout, 4096)
     assert [i for b in plan for i in b] == list(range(len(NAMED))) and len(plan) >= 3
-    assert all(len({meta[i][2] for i in b}) == 1 for b in plan)
-    assert meta_bytes(meta) == sum(t.numel() * t.element_size() for _, t in NAMED)
+    assert all(len({layout[i][2] for i in b}) == 1 for b in plan)
+    assert layout_bytes(layout) == sum(t.numel() * t.element_size() for _, t in NAMED)
 
 
 def test_two_workers_get_every_weight_bit_exact_and_in_the_meta_dtype(tmp_path):
     sender = Sender(timeout_s=60, bucket_bytes=4096)
     spec = sender.spec(0, 2)
     floats = [(n, t) for n, t in NAMED if t.is_floating_point()]
-    meta = weight_meta(floats, "bfloat16")                   # the engine's dtype: cast by the sender
-    procs = start_workers([spec], meta, tmp_path / "w")
-    sender.send(spec, iter(floats), meta)                     # an iterator: consumed bucket by bucket
+    layout = weight_layout(floats, "bfloat16")                   # the engine's dtype: cast by the sender
+    procs = start_workers([spec], layout, tmp_path / "w")
+    sender.send(spec, iter(floats), layout)                     # an iterator: consumed bucket by bucket
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -92,11 +92,11 @@ def test_a_new_generation_forms_a_new_group_and_mixed_dtypes_travel_as_they_are(
     """Two syncs in generation 0, then a third in generation 1 (what follows an engine's
     replacement): every member joins the new group and the weights arrive each time."""
     sender = Sender(timeout_s=60, bucket_bytes=4096)
-    meta = weight_meta(NAMED)
+    layout = weight_layout(NAMED)
     specs = [sender.spec(0, 2), sender.spec(0, 2), sender.spec(1, 2)]
-    procs = start_workers(specs, meta, tmp_path / "w")
+    procs = start_workers(specs, layout, tmp_path / "w")
     for k, spec in enumerate(specs):
-        sender.send(spec, [(n, t + k if t.is_floating_point() else t) for n, t in NAMED], meta)
+        sender.send(spec, [(n, t + k if t.is_floating_point() else t) for n, t in NAMED], layout)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -114,8 +114,8 @@ def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and
     big = [("x", torch.randn(1000)), ("big1", torch.randn(2048, 2048)), ("big2", torch.randn(2048, 2048))]
     sender = Sender(timeout_s=10, bucket_bytes=4 << 20)
     spec = sender.spec(0, 2)
-    meta = weight_meta(big)
-    procs = start_workers([spec], meta, tmp_path / "w", die={2: 0})
+    layout = weight_layout(big)
+    procs = start_workers([spec], layout, tmp_path / "w", die={2: 0})
     pulled = []
 
     def source():
@@ -124,7 +124,7 @@ def test_a_worker_that_dies_mid_broadcast_fails_the_sender_naming_the_bucket_and
             yield n, t
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"trainer rank 0: weight broadcast bucket \d+ \(gen 0\)"):
-        sender.send(spec, source(), meta)
+        sender.send(spec, source(), layout)
     assert time.monotonic() - t0 < 30 and pulled == [n for n, _ in big]
     assert sender.pg is None                      # a failed group is not used again
     for p in procs:
@@ -167,7 +167,7 @@ def test_a_failed_wait_is_bounded_and_aborts_that_group_on_both_sides(monkeypatc
     spec = sender.spec(0, 1)
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"trainer rank 0: weight broadcast bucket 0 \(gen 0\) failed"):
-            sender.send(spec, iter(NAMED), weight_meta(NAMED))
+            sender.send(spec, iter(NAMED), weight_layout(NAMED))
         assert sender.pg is None
     # each sync formed the group anew; each wait was bounded, and the failed group aborted
     assert [g.log for g in opened] == [[("wait", datetime.timedelta(seconds=7)), ("abort",)]] * 2
@@ -178,7 +178,7 @@ def test_a_failed_wait_is_bounded_and_aborts_that_group_on_both_sides(monkeypatc
     log = worker._sync_pg.log
     with pytest.raises(RuntimeError, match=r"engine worker \(weight-sync rank 1, gen 0\): weight broadcast "
                                            r"bucket 0 failed or timed out"):
-        worker.receive_weights(dataclasses.asdict(spec), 1, weight_meta(NAMED))
+        worker.receive_weights(dataclasses.asdict(spec), 1, weight_layout(NAMED))
     assert log == [("wait", datetime.timedelta(seconds=7)), ("abort",)]
     assert worker._sync_pg is None and worker._sync_gen is None
 

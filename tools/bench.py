@@ -52,7 +52,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
     import ext.longtail  # noqa: F401  (problems with a target_len: exactly that many tokens, EOS ignored)
-    from weight_sync import weight_meta
+    from weight_sync import weight_layout
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), who=f"bench {name}", timeout_s=300)
     ccfg = ControllerConfig(**{"batch_groups": args.batch_groups, "group_size": args.group_size,
@@ -60,8 +60,8 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
     ctrl = AsyncController(ccfg, buffer, problems(args.seed, args.median_len, args.sigma, args.cap),
                            len(proxies), version=proxies[0].version)
     # every configuration reuses generation 0 of the sender's group (the same engines: no replacement)
-    group, meta = sender.spec(0, len(proxies)), weight_meta(trainer.named_weights())
-    send = lambda g: sender.send(g, trainer.iter_full_state(), meta)     # in sync_weights' thread
+    spec, layout = sender.spec(0, len(proxies)), weight_layout(trainer.named_weights())
+    send = lambda g: sender.send(g, trainer.iter_full_state(), layout)     # in sync_weights' thread
     rcfg = RolloutConfig(max_concurrency=args.max_concurrency, max_tokens=8, max_model_len=124)
     managers = [EnvManager(p, buffer, tokenizer, r, rcfg)
                 for r, p in enumerate(proxies)]
@@ -73,7 +73,7 @@ async def run_config(name, overrides, args, proxies, trainer, sender, tokenizer)
         step_times, stale = [], []
         for step in range(args.steps + 1):                  # step 0 is a warm-up, not timed
             t0 = time.perf_counter()
-            info = (await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, meta, group)).info
+            info = (await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, layout, spec)).info
             if args.verbose:
                 print(f"    {name} step {step}: {time.perf_counter() - t0:.2f}s, "
                       f"wait {info['time_wait_rollout']:.2f}s, "

@@ -267,7 +267,7 @@ class FakeTimedEngine:
     async def wake(self):
         self.asleep = False
 
-    async def receive_weights(self, spec, first_rank: int, meta):
+    async def receive_weights(self, spec, first_rank: int, layout):
         """The weight sync, modelled: load_s seconds (transfer + load); no group is joined (the real
         engine: weight_sync.WeightSyncWorker)."""
         if self.asleep:

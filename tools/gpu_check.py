@@ -222,7 +222,7 @@ def check_build(ctx: Ctx, rec: dict):
     rec["summary"] = ", ".join(f"{k} {v['params'] / 1e6:,.1f}M params" for k, v in rec.items())
 
 
-def _ipc_worker(specs: list, meta, device: str, out: str):
+def _ipc_worker(specs: list, layout, device: str, out: str):
     """An engine worker's side of the ipc transport (spawned): receive each sync, hash every tensor."""
     forbid_vllm()
     import torch
@@ -235,7 +235,7 @@ def _ipc_worker(specs: list, meta, device: str, out: str):
     for spec in specs:
         spec = GroupSpec(**spec)
         t = time.perf_counter()
-        r = IpcReceiver(connect(spec), spec, 0, meta, torch.device(device), slots, "gpu_check worker")
+        r = IpcReceiver(connect(spec), spec, 0, layout, torch.device(device), slots, "gpu_check worker")
         digests = {name: sha(tensor) for name, tensor in r.stream()}
         results.append({"digests": digests, "seconds": time.perf_counter() - t, "waited_s": r.waited})
     Path(out).write_text(json.dumps(results))
@@ -249,15 +249,15 @@ def check_ipc(ctx: Ctx, rec: dict):
 
     from trainer import Trainer
     from ext.colocate import BUFFERS, IpcSender
-    from weight_sync import plan_buckets, weight_meta
+    from weight_sync import plan_buckets, weight_layout
     tr = Trainer(ctx.model_dir(ctx.small), train_config(ctx, precision="fp32"), None, ctx.device)
     named = tr.named_weights()
-    meta = weight_meta(named, "bfloat16")
+    layout = weight_layout(named, "bfloat16")
     bucket = ctx.m["bucket_bytes"]
     sizes = {n: t.numel() * 2 for n, t in named}
     largest = max(sizes, key=sizes.get)
-    plan = plan_buckets(meta, bucket)
-    rec.update(tensors=len(meta), bytes=sum(sizes.values()), buckets=len(plan), bucket_bytes=bucket,
+    plan = plan_buckets(layout, bucket)
+    rec.update(tensors=len(layout), bytes=sum(sizes.values()), buckets=len(plan), bucket_bytes=bucket,
                largest=largest, largest_bytes=sizes[largest])
     assert sizes[largest] > bucket, "no tensor larger than a bucket"
     assert len(plan) > BUFFERS, "too few buckets to reuse the buffers"
@@ -266,14 +266,14 @@ def check_ipc(ctx: Ctx, rec: dict):
     specs = [sender.spec().with_gen(0, k) for k in (1, 2)]    # two syncs: the second reuses opened buffers
     out = ctx.work / "ipc.json"
     proc = multiprocessing.get_context("spawn").Process(
-        target=_ipc_worker, args=([asdict(s) for s in specs], meta, ctx.device, str(out)))
+        target=_ipc_worker, args=([asdict(s) for s in specs], layout, ctx.device, str(out)))
     proc.start()
     try:
         times = []
         for spec in specs:
             ctx.sync()
             t = time.perf_counter()
-            sender.send(spec, tr.iter_full_state(), meta)        # returns once the worker copied every bucket
+            sender.send(spec, tr.iter_full_state(), layout)      # returns once the worker copied every bucket
             ctx.sync()
             times.append(time.perf_counter() - t)
         proc.join(180)
@@ -288,7 +288,7 @@ def check_ipc(ctx: Ctx, rec: dict):
         bad = [n for n in want if g["digests"].get(n) != want[n]]
         assert set(g["digests"]) == set(want) and not bad, f"sync {k + 1}: differs in {bad[:3]}"
     rec["bit_exact"] = True
-    rec["summary"] = (f"{len(meta)} tensors, {rec['bytes'] / 2**20:,.0f} MiB bf16 in {len(plan)} buckets "
+    rec["summary"] = (f"{len(layout)} tensors, {rec['bytes'] / 2**20:,.0f} MiB bf16 in {len(plan)} buckets "
                       f"bit-exact ({largest} {sizes[largest] / 2**20:,.0f} MiB > bucket); "
                       f"{rec['gb_per_s']:.1f} GB/s (second sync)")
 

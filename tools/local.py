@@ -9,7 +9,7 @@ weight sync from this process into its engines.
 import asyncio
 import itertools
 
-from weight_sync import weight_meta
+from weight_sync import weight_layout
 
 from clock import now
 
@@ -47,9 +47,9 @@ async def push(proxies, sender, named, version: int, gen: int = 0):
     (suspended) proxy's engine, generation `gen`. sender: a Sender (a broadcast over its group) or a
     list of ext/colocate.IpcSender, one per proxy, on one store (ipc: each hands its engine the buckets)."""
     named = list(named)
-    meta = weight_meta(named)
+    layout = weight_layout(named)
     senders = sender if isinstance(sender, list) else [sender]
     spec = senders[0].spec(gen, len(proxies)).with_gen(gen, next(PUSHES))
-    await asyncio.gather(*[asyncio.to_thread(s.send, spec, named, meta) for s in senders],
-                         *[p.update_weights(meta, version, spec, first_rank=1 + i)
+    await asyncio.gather(*[asyncio.to_thread(s.send, spec, named, layout) for s in senders],
+                         *[p.update_weights(layout, version, spec, first_rank=1 + i)
                            for i, p in enumerate(proxies)])

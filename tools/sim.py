@@ -508,7 +508,7 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
         return {"tokens": tokens}, None
 
     # the trainer's side of the broadcast: until every engine has it
-    async def send(group):
+    async def send(spec):
         async with asyncio.timeout(cfg.timeout_s):   # (virtual seconds; the engines model the transfer)
             while any(p.version <= ctrl.version for p in proxies):
                 await asyncio.sleep(0.05)

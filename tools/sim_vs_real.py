@@ -122,7 +122,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
     from env_manager import EnvManager, RolloutConfig
     import ext.longtail  # noqa: F401  (problems with a target_len: exactly that many tokens, EOS ignored)
-    from weight_sync import weight_meta
+    from weight_sync import weight_layout
 
     buffer = SampleBuffer(LocalQueues(len(proxies)), "sim_vs_real", 300)
     ccfg = ControllerConfig(batch_groups=args.batch_groups, group_size=args.group_size, async_ratio=alpha,
@@ -130,13 +130,13 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
     ctrl = AsyncController(ccfg, buffer, bench.problems(args.seed, args.median_len, 1.0, 110), len(proxies),
                            version=proxies[0].version)
 
-    meta = weight_meta(weights)
-    group = sender.spec(0, len(proxies)) if sender else None
-    async def modelled_send(group):         # fake engines: the trainer waits until every engine has the
+    layout = weight_layout(weights)
+    spec = sender.spec(0, len(proxies)) if sender else None
+    async def modelled_send(spec):          # fake engines: the trainer waits until every engine has the
         async with asyncio.timeout(300):    # weights (TimeoutError: the modelled weight sync never ended)
             while any(p.version <= ctrl.version for p in proxies):
                 await asyncio.sleep(0.005)
-    send = (lambda g: sender.send(g, weights, meta)) if sender else modelled_send
+    send = (lambda g: sender.send(g, weights, layout)) if sender else modelled_send
     rcfg = RolloutConfig(max_concurrency=MAX_NUM_SEQS, max_tokens=8, max_model_len=124)
     managers = [EnvManager(p, buffer, tokenizer, r, rcfg) for r, p in enumerate(proxies)]
     loop = asyncio.get_running_loop()
@@ -149,7 +149,7 @@ async def run(proxies, tokenizer, weights, args, alpha: int, sender=None) -> dic
         times, utils, waits, syncs = [], [], [], []
         for step in range(args.steps + 1):                  # step 0: warm-up, not counted
             t = loop.time()
-            s = await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, meta, group)
+            s = await rl_step(ctrl, WholeBatch(train, ccfg.group_size), send, layout, spec)
             if step == 0:
                 t_start, tokens0, cpu0 = loop.time(), sum(p.num_tokens for p in proxies), time.process_time()
             else:

@@ -64,7 +64,7 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
     from env_manager import EnvManager, RolloutConfig
     from trainer import TrainConfig, Trainer
     from tools.local import push
-    from weight_sync import weight_meta
+    from weight_sync import weight_layout
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
@@ -80,8 +80,8 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
                                             async_ratio=ratio, redundant=args.redundant, sample_order=order,
                                             timeout_s=300), buffer,
                            problem_stream(None, seed, make=task.make_problem), 1, version=version)
-    group, meta = sender.spec(0, 1), weight_meta(trainer.named_weights())
-    send = lambda g: sender.send(g, trainer.iter_full_state(), meta)   # in sync_weights' thread
+    spec, layout = sender.spec(0, 1), weight_layout(trainer.named_weights())
+    send = lambda g: sender.send(g, trainer.iter_full_state(), layout)   # in sync_weights' thread
     manager = EnvManager(proxy, buffer, tokenizer, 0, RolloutConfig(max_tokens=8, max_model_len=128))
 
     async def train(batch, advantages, version):     # in a thread: rollout goes on meanwhile
@@ -91,7 +91,7 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
         await ctrl.wait_ready()
         rows = []
         for _ in range(steps):
-            step = await rl_step(ctrl, WholeBatch(train, args.group_size), send, meta, group)
+            step = await rl_step(ctrl, WholeBatch(train, args.group_size), send, layout, spec)
             rows.append({**step.info, **step.metrics})
         await ctrl.finish_sync()
         # the final weights
