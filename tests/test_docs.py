@@ -81,3 +81,35 @@ def test_the_check_finds_a_stale_citation():
     assert "ENVS" in defined("rollout") and "ENVS" not in defined("env_manager")   # (env_manager imports it)
     assert defined("microbatch") is None and defined("ext.lora") is not None
     assert ("x", "env_manager", "ENVS") in [("x", m, n) for m, n in DOTTED.findall("see env_manager.ENVS")]
+
+
+def resolve(dotted: str):
+    """The object `module.Name.attr...` names: the longest importable module prefix, then attributes."""
+    import importlib
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def test_every_function_the_tour_names_exists():
+    """docs/tour.md names the real functions in the order they run: each code span that is a dotted name
+    resolves to an object of this tree, and the commands it shows exist."""
+    tour = (ROOT / "docs" / "tour.md").read_text()
+    names = sorted({s for s in re.findall(r"`([a-z_]+(?:\.\w+)+)`", tour) if not s.endswith((".py", ".md"))})
+    assert len(names) > 40                                                   # (the tour names its anchors)
+    missing = []
+    for name in names:
+        try:
+            resolve(name)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{name}: {e}")
+    assert not missing, "docs/tour.md names what does not exist:\n" + "\n".join(missing)
+    from tools import sim
+    assert "sweep" in sim.EXPERIMENTS and "python -m tools.sim sweep" in tour

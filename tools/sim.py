@@ -8,6 +8,7 @@
     python -m tools.sim split          # rollout/train split sweep on 40 GPUs
     python -m tools.sim ratio          # async ratio 0, 1, 2, 4, 8
     python -m tools.sim calibrate      # time split of one synchronous colocated step (the constants' check)
+    python -m tools.sim sweep          # the async ratio 0, 1, 2, 4, 8 on a long tail: s/step beside staleness
     python -m tools.sim rollpacker     # RollPacker's tail batching / streaming trainer vs async, 32 GPUs
                                        # (--gpus N), long-response and default workloads
     python -m tools.sim all            # everything; each writes results/NAME.md and results/NAME.png
@@ -928,10 +929,44 @@ def exp_rollpacker(base: SimConfig):
     return f"RollPacker vs ROLL Flash ({n} GPUs, same budget)", lines, plot
 
 
+# a small split cluster (4 engines, 4 trainer GPUs) on a long-tailed workload (median 1k tokens, sigma 1.3,
+# cap 16k), where the async ratio decides how much of the long tail the trainer waits for: the lab instrument
+SWEEP = replace(RLVR, rollout_gpus=4, train_gpus=4, batch_groups=16, group_size=8, redundant=4,
+                len_median=1000, len_sigma=1.3, max_tokens=16384, chunk=128, steps=10, warmup=3)
+
+
+def exp_sweep(base: SimConfig):
+    """The async ratio as a lab instrument (docs/tour.md): alpha 0, 1, 2, 4, 8, the same cluster and
+    workload (SWEEP), seconds per step beside the staleness of the trained samples."""
+    rows, xs, step_s, mean, most = [], [], [], [], []
+    for alpha in (0, 1, 2, 4, 8):
+        r = simulate(replace(base, async_ratio=alpha))
+        xs.append(alpha), step_s.append(r["step_s"]), mean.append(r["staleness_mean"])
+        most.append(r["staleness_max"])
+        rows.append([alpha, r["step_s"], r["staleness_mean"], r["staleness_max"], r["dropped_stale"],
+                     r["trainer_idle"]])
+    lines = table(["alpha", "s/step", "staleness mean", "staleness max", "dropped stale/step",
+                   "trainer idle"], rows) + [
+        "", f"alpha 0 -> 8: {step_s[0] / step_s[-1]:.2f}x faster steps for a mean staleness of "
+        f"{mean[-1]:.2f} versions (max {most[-1]})"]
+
+    def plot(axes):
+        left, right = axes
+        left.plot(xs, step_s, "o-")
+        left.set_xlabel("async ratio alpha"), left.set_ylabel("seconds per step (virtual)")
+        right.plot(xs, mean, "o-", label="mean"), right.plot(xs, most, "s--", label="max")
+        right.plot(xs, xs, ":", color="grey", label="the bound (alpha)")
+        right.set_xlabel("async ratio alpha"), right.set_ylabel("staleness of trained samples (versions)")
+        right.legend()
+    plot.panels = 2
+    return (f"async ratio sweep, long tail ({base.rollout_gpus} engines + {base.train_gpus} trainer GPUs, "
+            f"{base.batch_groups}x{base.group_size})"), lines, plot
+
+
 EXPERIMENTS = {"queue": (exp_queue, RLVR), "replication": (exp_replication, RLVR),
                "envasync": (exp_envasync, AGENT), "scaling": (exp_scaling, RLVR), "split": (exp_split, RLVR),
                "ratio": (exp_ratio, RLVR), "calibrate": (exp_calibrate, RLVR),
-               "rollpacker": (exp_rollpacker, RLVR)}
+               "rollpacker": (exp_rollpacker, RLVR), "sweep": (exp_sweep, SWEEP)}
 
 
 def run_experiment(name: str, overrides: dict):
@@ -948,9 +983,13 @@ def run_experiment(name: str, overrides: dict):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    panels = getattr(plot, "panels", 1)                     # (a plot may ask for panels side by side)
+    fig, ax = plt.subplots(1, panels, figsize=(6 * panels, 4))
     plot(ax)
-    ax.set_title(title, fontsize=9)
+    if panels > 1:
+        fig.suptitle(title, fontsize=9)
+    else:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)

@@ -92,7 +92,8 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
         rows = []
         for _ in range(steps):
             step = await rl_step(ctrl, WholeBatch(train, args.group_size), send, layout, spec)
-            rows.append({**step.info, **step.metrics})
+            # (--trace) the pipeline after the step: the tasks admitted and not started yet
+            rows.append({**step.info, **step.metrics, "tasks_queued": ctrl.buffer.num_queued_tasks()})
         await ctrl.finish_sync()
         # the final weights
         ev = Evaluation(ctrl)
@@ -119,6 +120,10 @@ async def run_one(loss: str, ratio: int, seed: int, order: str, args, proxy, sen
                 "mismatch_kl": statistics.fmean(r["mismatch_kl"] for r in rows)}
                if "is_corrected_frac" in rows[0] else {}),
             "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
+            # per step (--trace): the staleness trained, the tasks still queued, the rollout wait, training
+            "trace": [{k: r[k] for k in ("staleness_mean", "tasks_queued", "time_wait_rollout",
+                                         "time_trainer_busy", "groups_filtered", "reward_mean")}
+                      for r in rows],
             "samples": sum(r["num_samples"] for r in rows), "wall_s": time.monotonic() - t_start}
 
 
@@ -227,6 +232,11 @@ async def main(args):
                   flush=True)
     finally:
         proxy.shutdown()
+    traces = [r.pop("trace", None) for r in runs]      # (study.json keeps the figures; --trace the steps)
+    if args.trace:
+        Path(args.trace).write_text(json.dumps([{"loss": r["loss"], "async_ratio": r["async_ratio"],
+                                                 "seed": r["seed"], "steps": t}
+                                                for r, t in zip(runs, traces)]))
     (out / "study.json").write_text(json.dumps({"constants": vars(args), "initial": start, "runs": runs},
                                                indent=1))
     wall = time.monotonic() - t0
@@ -259,4 +269,6 @@ if __name__ == "__main__":
     ap.add_argument("--eval-k", type=int, default=EVAL_K)
     ap.add_argument("--out-dir", default=str(ROOT / "results"))
     ap.add_argument("--plot-only", action="store_true", help="redraw study.png from out-dir's study.json")
+    ap.add_argument("--trace", default="", help="also write every run's steps here (JSON): staleness, tasks "
+                                                "queued, waits; how a run's pipeline fills")
     asyncio.run(main(ap.parse_args()))
