@@ -190,15 +190,15 @@ def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
 QUEUE_NAMES = ("tasks", "samples", "acks")
 
 
-def exchange(t, rank: int, samples: list, want_command: bool, max_tasks: int):
-    """A rollout rank's control-loop tick as one call on transport t (one round trip over TCP): put its
+def exchange(transport, rank: int, samples: list, want_command: bool, max_tasks: int):
+    """A rollout rank's control-loop tick as one call on the transport (one round trip over TCP): put its
     finished samples, take its next command (if want_command), and take up to max_tasks tasks.
     -> (Command or None, [RolloutTask], tasks queued before the take)."""
     if samples:
-        t.put_many_nowait("samples", samples)
-    got = t.get_many_nowait("commands", 1, rank) if want_command else []
-    queued = t.qsize("tasks")
-    return (got[0] if got else None), t.get_many_nowait("tasks", min(max_tasks, queued)), queued
+        transport.put_many_nowait("samples", samples)
+    got = transport.get_many_nowait("commands", 1, rank) if want_command else []
+    queued = transport.qsize("tasks")
+    return (got[0] if got else None), transport.get_many_nowait("tasks", min(max_tasks, queued)), queued
 
 
 class FrontQueue(asyncio.Queue):
