@@ -234,6 +234,11 @@ class LocalQueues:
     def __init__(self, num_ranks: int):
         self.queues = {name: FrontQueue() for name in QUEUE_NAMES}
         self.commands = [asyncio.Queue() for _ in range(num_ranks)]
+        self.side: dict[str, ServedQueue] = {}
+
+    def named(self, name: str) -> "ServedQueue":
+        """A queue of an extension's own, by name (put_many, get_many, qsize; each call answers at once)."""
+        return self.side.setdefault(name, ServedQueue())
 
     def q(self, name: str, rank: int | None = None):
         return self.commands[rank] if name == "commands" else self.queues[name]
@@ -349,6 +354,11 @@ class ManagerQueues:
         self.queues = {name: manager.get_queue(name) for name in QUEUE_NAMES}
         self.commands = [manager.get_queue(f"commands{r}") for r in range(num_ranks)]
         self.served = manager.get_queues()
+
+    def named(self, name: str):
+        """A queue of an extension's own on the same server, by name (put_many, get_many, qsize: each call
+        a round trip, to run off the event loop): how an extension's ranks meet the rollout ranks."""
+        return self.manager.get_queue(name)
 
     @classmethod
     def serve(cls, host: str, port: int, authkey: bytes, num_ranks: int,

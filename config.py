@@ -123,6 +123,14 @@ class Extension:
     def startup_lines(self, model_dir: str, device: str) -> str | None:
         """Text rank 0 prints at start-up (the memory plan)."""
 
+    def extra_ranks(self) -> int | None:
+        """How many ranks this extension adds after the rollout ranks, each running an engine of its own (a
+        teacher's, a judge's): torchrun starts them too (train.py --print-world-size counts them)."""
+
+    def run_extra_rank(self, index: int, device: str, engine_core: str, buffer_addr: tuple, state):
+        """Run this extension's rank `index` (0.. of its extra_ranks) until the run ends; buffer_addr: the
+        queue server's (host, port, authkey), where it meets the rollout ranks."""
+
     def one_process_engine(self, model_dir: str, cfg):
         """python train.py without torchrun: the engine of the one-process run (ext/torch_engine.py's)."""
 
@@ -204,6 +212,10 @@ class Extension:
 
     def scorer(self):
         """What scores answers, if not inline: async score(problem, response), stats(), shutdown()."""
+
+    def sample_finisher(self, index: int, buffer):
+        """async (Sample) -> None, run on every finished sample of rollout rank `index` before it is sent
+        (a teacher's per-token log-probs into its token_fields); an EnvFailure fails the attempt."""
 
     def env_deadline(self):
         """The env calls' deadline (rollout.FixedDeadline's interface), if not --env-step-timeout-s."""

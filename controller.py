@@ -183,6 +183,7 @@ class AsyncController:
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
         self.taken_before_step = 0             # groups_taken when this step's collect began
         self.before: dict = {}                 # the assembler's counters then (its report subtracts them)
+        self.batch: list = []                  # the last step's samples (collect's batch)
         self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
         self._warned_stale = False             # so is the warning of a step that dropped many stale samples
 
@@ -378,6 +379,7 @@ class AsyncController:
             **policy,
         }
         self._collect_span = [self._wall0, time.time()]
+        self.batch = batch                 # (the extensions' after_step reads the step's samples here)
         self._warn_stale(info, len(self.step_rewards))
         self.freshness.end_step(self, info)
         return batch, info

@@ -36,11 +36,12 @@ class EnvManager:
     def __init__(self, proxy, buffer, tokenizer, rank: int, cfg: RolloutConfig,
                  freshness: Freshness | int | None = None, sync_timeout_s: float = 600.0,
                  probe_ids: list[int] | None = None, env_wrappers=None, recovery=None, scorer=None,
-                 deadline=None):
+                 deadline=None, finisher=None):
         """env_wrappers: (env) -> env, applied to every env (ext/faults.py); recovery: what replaces a dead
         engine (ext/recovery.py), None: an engine failure ends the rank; scorer: what scores answers
         (ext/verifiers.py's pool: score, stats, shutdown), None: inline; deadline: the env calls' (ext/
-        deadlines.py's adaptive one), None: a fixed --env-step-timeout-s."""
+        deadlines.py's adaptive one), None: a fixed --env-step-timeout-s; finisher: async (Sample) -> None
+        on every finished sample before it is sent (an extension's: a teacher's log-probs), None: none."""
         self.proxy = proxy
         self.buffer = buffer
         self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
@@ -64,6 +65,7 @@ class EnvManager:
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
         self.deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)   # every env call's
         self.scorer = scorer
+        self.finisher = finisher
         self.reward_fn = (scorer.score if scorer
                           else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
@@ -347,7 +349,7 @@ class EnvManager:
         def one(i):
             return run_trajectory(self.proxy, lambda: self._make_env(task), self.fmt, self.cfg, task, i,
                                   on_attempt=live.__setitem__, on_failure=self._report_failure,
-                                  deadline=self.deadline)
+                                  deadline=self.deadline, finish=self.finisher)
         if task.num_samples == 1:  # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
         else:

@@ -265,18 +265,21 @@ def layout_errors(places: list[tuple[int, str]], train: int, transport: str, cud
     return errors + TRANSPORTS[transport].layout_errors(places, train, cuda, name, where)
 
 
-def init_distributed(cfg):
-    """This rank in torchrun's job (train.py's Config): the checks, the default group (gloo) and the trainer
-    group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core, trainer group,
-    store)."""
+def init_distributed(cfg, extra: int = 0):
+    """This rank in torchrun's job (train.py's Config; extra: the ranks extensions add after the rollout
+    ranks, each running an engine: a teacher's, a judge's): the checks, the default group (gloo) and the
+    trainer group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core, trainer
+    group, store)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         sys.exit(f"train.py: {', '.join(missing)} not set: launch with torchrun, e.g.\n"
                  f"  torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if cfg.rollout_gpus + cfg.train_gpus != world:
-        sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus} = "
-                 f"{cfg.rollout_gpus + cfg.train_gpus}, but torchrun started {world} ranks (WORLD_SIZE)")
+    if cfg.rollout_gpus + cfg.train_gpus + extra != world:
+        sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus}"
+                 + (f" + {extra} more (the extensions' engines: --teacher-gpus, ...)" if extra else "")
+                 + f" = {cfg.rollout_gpus + cfg.train_gpus + extra}, but torchrun started {world} ranks "
+                 f"(WORLD_SIZE; train.py --print-world-size counts them)")
     cuda = torch.cuda.is_available()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     errors = layout_errors(rank_places(world, local_world, os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -303,7 +306,7 @@ def init_distributed(cfg):
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     engine_core = ""
     if not cuda:   # CPU: trainer rank t on host core t (one thread); rollout ranks share the host cores
-        host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
+        host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus + extra)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
         engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)]) if rank >= cfg.train_gpus else ""

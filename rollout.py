@@ -56,7 +56,7 @@ class RolloutConfig:
                                           "(--env-timeout-factor > 0, ext/deadlines.py): its ceiling")
     max_retries: int = opt(2, "a failed trajectory is rerun with a fresh env up to this many times")
     reward: str = opt("", "verifier module:function (problem, response) -> a finite float (a penalty may be "
-                          "negative); default: the "
+                          "negative); none: no verifier (every answer 0: distillation alone); default: the "
                           "task's")
     dtype: str = opt("auto", "engine weights: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | "
                              "float16")
@@ -311,20 +311,25 @@ class Trajectory:
 
 async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask,
                          index: int = 0, *, on_attempt=None, on_failure=None,
-                         deadline: FixedDeadline | None = None) -> Sample | None:
+                         deadline: FixedDeadline | None = None, finish=None) -> Sample | None:
     """One sample of `task`, retried after env failures. Each attempt builds its env with new_env()
     and runs rollout_once. A failed attempt becomes a failed Sample given to `await on_failure(s)`
     (meta["retrying"] says whether another attempt follows). Returns the Sample, or None when the
     last attempt failed too. `on_attempt(index, traj)` sees each attempt's live Trajectory. Env
-    calls are bounded by `deadline` (the manager's, shared), default a fixed cfg.env_step_timeout_s."""
+    calls are bounded by `deadline` (the manager's, shared), default a fixed cfg.env_step_timeout_s.
+    `await finish(sample)` completes each sample before it is returned (an extension's: a teacher's
+    log-probs); an EnvFailure there fails the attempt like the env's own."""
     deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)
     for attempt in range(cfg.max_retries + 1):
         traj = Trajectory(start_version=proxy.version)
         if on_attempt is not None:
             on_attempt(index, traj)
         try:
-            return await rollout_once(proxy, new_env(), fmt, cfg, task, traj, tag=f"{index}-a{attempt}",
-                                      meta={"attempt": attempt, "sample_index": index}, deadline=deadline)
+            s = await rollout_once(proxy, new_env(), fmt, cfg, task, traj, tag=f"{index}-a{attempt}",
+                                   meta={"attempt": attempt, "sample_index": index}, deadline=deadline)
+            if finish is not None:
+                await finish(s)
+            return s
         except EnvFailure as e:
             if on_failure is not None:
                 await on_failure(Sample(

@@ -51,6 +51,10 @@ class TinyConfig:
 
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
+# a teacher for on-policy distillation (ext/distill.py): the same model and tokenizer, another seed, warm-
+# started four times as long, so it starts where RL on the default model would like to end (its build.json)
+TEACHER_DIR = DEFAULT_DIR.with_name("tiny-teacher")
+TEACHER = TinyConfig(seed=1, sft_steps=4000)
 
 # A chat template so the chat path (rollout.PromptFormat) runs on the embedded model too. It renders a
 # conversation as the plain text the model was warm-started on: every turn is just its text, no
@@ -225,6 +229,8 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sft-steps", type=int, default=TinyConfig.sft_steps)
     ap.add_argument("--quiet", action="store_true", help="print nothing when the cached model is reused")
+    ap.add_argument("--teacher", action="store_true",
+                    help="build (or reuse) the distillation teacher instead, .cache/tiny-teacher")
     # a bigger model of the same kind, e.g. the weight-sync benchmark's 103M one (tools/bench_weight_sync.py):
     # --hidden 1024 --layers 8 --heads 16 --intermediate 2816 --sft-steps 0 (random weights)
     ap.add_argument("--hidden", type=int, default=TinyConfig.hidden)
@@ -234,6 +240,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     cfg = TinyConfig(seed=args.seed, sft_steps=args.sft_steps, hidden=args.hidden, num_layers=args.layers,
                      num_heads=args.heads, intermediate=args.intermediate)
-    path = ensure_tiny_model(args.out_dir, cfg, force=args.force)
+    path = (ensure_tiny_model(TEACHER_DIR, TEACHER, force=args.force) if args.teacher
+            else ensure_tiny_model(args.out_dir, cfg, force=args.force))
     if not args.quiet:
         print(json.dumps(json.loads((path / "build.json").read_text()), indent=2))

@@ -71,6 +71,9 @@ class Config:
                                         "i hands engine i its buckets: ext/colocate.py) | auto (ipc under "
                                         "--colocate, else group)")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
+    print_world_size: bool = opt(False, "print how many ranks these flags need (torchrun's --nproc-per-node "
+                                        "on one node: trainers, rollout ranks and the extensions' engines), "
+                                        "then exit")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N "
                                     "syncs; 0 = never")
     data: DataConfig = part(DataConfig)                   # --data, ...
@@ -186,7 +189,8 @@ def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokeni
                       probe_ids=tokenizer.encode(PROBE_TEXT),
                       recovery=exts.first("engine_recovery", restart_engine) if restart_engine else None,
                       env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
-                      if wrappers else None, scorer=exts.first("scorer"), deadline=exts.first("env_deadline"))
+                      if wrappers else None, scorer=exts.first("scorer"), deadline=exts.first("env_deadline"),
+                      finisher=exts.first("sample_finisher", index, buffer))     # (a teacher's log-probs)
 
 
 def run_trainer(cfg: Config, exts, rank: int, device: str, trainer_group, store, model_dir: str, state,
@@ -331,10 +335,16 @@ def main():
     cfg = parse_cli(Config, doc=__doc__)
     export_startup_timeout(cfg.controller.startup_timeout_s)
     exts = Extensions.start(cfg)
+    extra = sum(exts.call("extra_ranks"))     # ranks the extensions add after the rollout ranks (a teacher's)
+    if cfg.print_world_size:          # (run.sh: torchrun's --nproc-per-node for these flags)
+        return print(cfg.train_gpus + cfg.rollout_gpus + extra)
     exts.call("before_launch")        # (library logs at warning level; --dry-run: the memory plan, then exit)
     one = "WORLD_SIZE" not in os.environ       # not under torchrun: the whole system in one process
     if one:
         print(ONE_PROCESS, flush=True)
+        if extra:
+            sys.exit(f"train.py: the extensions' {extra} more engines (--teacher-gpus, ...) need torchrun: "
+                     f"bash run.sh with the same flags starts them")
     else:
         die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
     state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
@@ -347,7 +357,7 @@ def main():
         cfg = exts.update(one_process_config(cfg))
         rank, world, device, engine_core, trainer_group, store = 0, 1, "cpu", "", None, None
     else:
-        rank, world, device, engine_core, trainer_group, store = init_distributed(cfg)
+        rank, world, device, engine_core, trainer_group, store = init_distributed(cfg, extra)
     try:
         base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
         if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)
@@ -378,8 +388,15 @@ def main():
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)
         if rank < cfg.train_gpus:
             run_trainer(cfg, exts, rank, device, trainer_group, store, model_dir, state, addr[0], base_dir)
-        else:
+        elif rank < cfg.train_gpus + cfg.rollout_gpus:
             run_rollout(cfg, exts, rank, device, model_dir, state, addr[0], engine_core)
+        else:                         # an extension's rank (a teacher's engine): the owner runs it
+            index = rank - cfg.train_gpus - cfg.rollout_gpus
+            for e in exts:
+                if index < (e.extra_ranks() or 0):
+                    e.run_extra_rank(index, device, engine_core, addr[0], state)
+                    break
+                index -= e.extra_ranks() or 0
         collective("final barrier", dist.barrier)
     finally:
         gc.unfreeze()        # frozen objects are collected at exit again (else triton reports leaks)

@@ -246,7 +246,7 @@ class Verifiers(Extension):
         """--reward-workers -1: one process unless the verifier is the embedded addition check."""
         if self.part.reward_workers >= 0:
             return cfg
-        custom = bool(cfg.data.data or self.part.task or cfg.rollout.reward)
+        custom = bool(cfg.data.data or self.part.task or cfg.rollout.reward not in ("", "none"))
         self.part = dataclasses.replace(self.part, reward_workers=1 if custom else 0)
         return dataclasses.replace(cfg, ext={**cfg.ext, self.name: self.part})
 
