@@ -61,6 +61,7 @@ sim replication                | test_tools_smoke.py::test_sim_experiment
 sim rollpacker                 | test_tools_smoke.py::test_sim_experiment
 sim scaling                    | test_tools_smoke.py::test_sim_experiment
 sim split                      | test_tools_smoke.py::test_sim_experiment
+sim sweep                      | test_tools_smoke.py::test_sim_experiment
 sim_vs_real                    | test_tools_engines.py::test_sim_vs_real_calibrates_and_compares
 soak                           | test_tools_runs.py::test_soak_watches_a_faulty_run_and_finds_no_leak
 study                          | test_study.py::test_study_runs_and_writes_its_table_and_plot
@@ -169,7 +170,8 @@ def test_bench_trainer_cases_on_the_tiny_model(tiny_model_dir, capsys):
 # the simulator: the experiments test_sim.py does not run, at a few samples per GPU
 
 
-@pytest.mark.parametrize("name", ["replication", "scaling", "split", "ratio", "calibrate", "rollpacker"])
+@pytest.mark.parametrize("name", ["replication", "scaling", "split", "ratio", "calibrate", "rollpacker",
+                                  "sweep"])
 def test_sim_experiment(name, tmp_path, monkeypatch, capsys):
     from tools import sim
     monkeypatch.setattr(sim, "RESULTS", tmp_path)
