@@ -227,10 +227,12 @@ def trim_metrics(out_dir: str, step: int):
 def collect_line(ctrl, before: dict, elapsed: float) -> str:
     """The heartbeat while a step collects (every --heartbeat-s)."""
     a = ctrl.assembler
+    failed = a.samples_failed - before["failed"]
+    last = f" (the last: {a.last_failed.meta.get('error', '?')[:160]})" if failed and a.last_failed else ""
     return (f"  collecting step {ctrl.version - ctrl.version0 + 1} for {elapsed:.0f}s: {a.num_ready()}/"
-            f"{ctrl.cfg.batch_groups} groups ready, {len(ctrl.step_rewards)} samples in, "
-            f"{a.samples_failed - before['failed']} failed, {a.groups_filtered - before['filtered']} "
-            f"groups filtered, {ctrl.buffer.num_queued_tasks()} tasks queued")
+            f"{ctrl.cfg.batch_groups} groups ready, {len(ctrl.step_rewards)} samples in, {failed} failed"
+            f"{last}, {a.groups_filtered - before['filtered']} groups filtered, "
+            f"{ctrl.buffer.num_queued_tasks()} tasks queued")
 
 
 def stall_report(ctrl, before: dict) -> str:

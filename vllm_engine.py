@@ -12,6 +12,7 @@ what follows a receive (after_receive): ext/lora.py's adapter. Design notes: DES
 
 import asyncio
 import concurrent.futures
+import itertools
 import math
 import os
 import shutil
@@ -44,6 +45,7 @@ class VLLMEngine:
         self.load: tuple | None = None        # ("module:function", arg): the workers' load (None: reload)
         self.request_kwargs: dict = {}        # every generate call's keywords (ext/lora.py: lora_request)
         self.after_receive: list = []         # called after each receive_weights
+        self.scores = itertools.count()       # score()'s request ids: unique, however many run at once
 
     @classmethod
     def start(cls, model_dir: str, max_model_len: int | None = None, max_num_seqs: int = 64,
@@ -254,7 +256,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                           f"score-{time.monotonic_ns()}", **self.request_kwargs):
+                                           f"score-{next(self.scores)}", **self.request_kwargs):
             final = out
         return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 

@@ -41,7 +41,7 @@ from config import Extension, check, extension, opt
 from losses import ADV_SHAPERS, loss
 from rollout import EnvFailure
 
-READY = "teacher_ready"      # the queue each teacher rank announces itself on: (index, its context length)
+READY = "teacher_ready"      # + a rollout rank: each teacher rank announces itself there: (index, context)
 REQUESTS = "teacher"         # (rollout rank, request id, token ids); None: stop
 POLL_S = (0.002, 0.008)      # an empty queue is polled after 2 ms, then ever less often, up to 8 ms
 
@@ -91,49 +91,58 @@ async def _call(transport, fn, *args):
 
 class TeacherClient:
     """A rollout rank's side (its sample finisher): each finished sample's tokens to the teacher ranks, the
-    answer into the sample. One task per rank reads the answers and wakes the samples waiting for them."""
+    answer into the sample. One task per rank (the pump) sends the requests and reads the answers, a list of
+    each per round trip, and wakes the samples waiting for them."""
 
     def __init__(self, transport, rank: int, timeout_s: float, startup_s: float, num_teachers: int):
         self.transport, self.rank = transport, rank
         self.timeout_s, self.startup_s, self.num_teachers = timeout_s, startup_s, num_teachers
         self.requests, self.replies = transport.named(REQUESTS), transport.named(f"teacher{rank}")
         self.waiting: dict[str, asyncio.Future] = {}
-        self.reader: asyncio.Task | None = None
+        self.outbox: list = []                   # requests not sent yet
+        self.pump: asyncio.Task | None = None
         self.context = 0                    # the teachers' context (tokens), once they are up
+        self.up: asyncio.Task | None = None     # waiting for them
         self.sent = 0
 
     async def _ready(self):
-        """Wait for every teacher rank's engine (its start takes as long as a rollout rank's)."""
-        ready = self.transport.named(READY)
+        """Wait for every teacher rank's engine (its start takes as long as a rollout rank's): each announces
+        itself and its context on every rollout rank's ready queue."""
+        ready, got = self.transport.named(f"{READY}{self.rank}"), []
         deadline = time.monotonic() + self.startup_s
-        while (n := await _call(self.transport, ready.qsize)) < self.num_teachers:
+        while len(got) < self.num_teachers:
+            got += await _call(self.transport, ready.get_many, self.num_teachers)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout rank {self.rank}: {n} of {self.num_teachers} teacher ranks up "
-                                   f"within {self.startup_s:.0f}s (--startup-timeout-s)")
-            await asyncio.sleep(0.5)
-        got = await _call(self.transport, ready.get_many, n)        # (read, then put back for the others)
-        await _call(self.transport, ready.put_many, got)
+                raise TimeoutError(f"rollout rank {self.rank}: {len(got)} of {self.num_teachers} teacher "
+                                   f"ranks up within {self.startup_s:.0f}s (--startup-timeout-s)")
+            await asyncio.sleep(0 if len(got) == self.num_teachers else 0.5)
         self.context = min(c for _, c in got)
 
-    async def _read(self):
+    async def _pump(self):
+        """Each tick, two round trips at most: the requests made since the last one go out together, the
+        answers that came in wake their samples."""
         wait = POLL_S[0]
         while True:
-            got = await _call(self.transport, self.replies.get_many, 256)
+            if self.outbox:
+                out, self.outbox = self.outbox, []
+                await _call(self.transport, self.requests.put_many, out)
+            got = await _call(self.transport, self.replies.get_many, 1024)
             for rid, logprobs in got:
                 fut = self.waiting.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(logprobs)
-            wait = POLL_S[0] if got else min(2 * wait, POLL_S[1])
+            wait = POLL_S[0] if got or self.outbox else min(2 * wait, POLL_S[1])
             await asyncio.sleep(0 if got else wait)
 
     async def __call__(self, s):
         """Score sample s: token_fields["teacher_logp"], one per model token; meta["teacher_s"]."""
         if s.meta.get("eval"):                  # (evaluation is never trained)
             return
-        if not self.context:
-            await self._ready()
-        if self.reader is None or self.reader.done():
-            self.reader = asyncio.get_running_loop().create_task(self._read())
+        if self.up is None:             # (the first sample waits for the teachers; the others wait with it)
+            self.up = asyncio.get_running_loop().create_task(self._ready())
+        await asyncio.shield(self.up)
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.get_running_loop().create_task(self._pump())
         ids = s.prompt_ids + s.response_ids
         where = f"rollout rank {self.rank}: task {s.task_id}'s teacher scores"
         if len(ids) > self.context:
@@ -142,7 +151,7 @@ class TeacherClient:
         self.sent += 1
         rid, t0 = f"{self.rank}.{self.sent}", time.monotonic()
         fut = self.waiting[rid] = asyncio.get_running_loop().create_future()
-        await _call(self.transport, self.requests.put_many, [(self.rank, rid, ids)])
+        self.outbox.append((self.rank, rid, ids))        # (the pump sends it with the others)
         try:
             async with asyncio.timeout(self.timeout_s):
                 logprobs = await fut            # [len(ids) - 1]: each token after the first, given the rest
@@ -175,25 +184,35 @@ async def serve_teacher(cfg, part: DistillConfig, index: int, device: str, engin
         queues = await asyncio.to_thread(ManagerQueues.connect, *buffer_addr, cfg.rollout_gpus,
                                          cfg.controller.startup_timeout_s, who)
         context = proxy.engine.llm.model_config.max_model_len
-        await asyncio.to_thread(queues.named(READY).put_many, [(index, context)])
+        for r in range(cfg.rollout_gpus):               # (each rollout rank reads its own)
+            await asyncio.to_thread(queues.named(f"{READY}{r}").put_many, [(index, context)])
         requests, running = queues.named(REQUESTS), set()
+        replies = [queues.named(f"teacher{r}") for r in range(cfg.rollout_gpus)]
+        answers: list[list] = [[] for _ in replies]      # per rollout rank, answered and not sent yet
 
         async def answer(rank: int, rid: str, ids: list[int]):
             try:
                 out = await proxy.score(ids)
             except Exception as e:     # (a sample's own failure, named; an engine that died fails them all)
                 out = f"{who}: {e!r}"[:500]
-            await asyncio.to_thread(queues.named(f"teacher{rank}").put_many, [(rid, out)])
+            answers[rank].append((rid, out))     # (after the await: the list to send may be a new one now)
         wait = POLL_S[0]
         while True:
-            got = await asyncio.to_thread(requests.get_many, 64)
+            for rank, out in enumerate(answers):          # each tick: every answer so far, a list a rank
+                if out:
+                    answers[rank] = []
+                    await asyncio.to_thread(replies[rank].put_many, out)
+            try:
+                got = await asyncio.to_thread(requests.get_many, 1024)
+            except (EOFError, ConnectionError):      # the queue server is gone: trainer rank 0's run ended
+                break                                # (a crash there is named at the final barrier)
             if None in got:            # the run ended (rank 0 puts one stop per teacher rank)
                 break
             for rank, rid, ids in got:
                 task = asyncio.get_running_loop().create_task(answer(rank, rid, ids))
                 running.add(task)
                 task.add_done_callback(running.discard)
-            wait = POLL_S[0] if got else min(2 * wait, POLL_S[1])
+            wait = POLL_S[0] if got or running else min(2 * wait, POLL_S[1])
             await asyncio.sleep(0 if got else wait)
     finally:
         proxy.shutdown()

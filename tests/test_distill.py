@@ -51,7 +51,7 @@ def test_a_samples_teacher_logprobs_land_on_its_model_tokens_and_feed_teacher_kl
     each token after the first comes back; the sample keeps those of its model tokens, in order; teacher_kl
     is the mean of log mu - log pi_teacher over them. A sample longer than the teacher's context fails."""
     q = LocalQueues(1)
-    q.named(READY).put_many([(0, 12)])                   # one teacher rank, a 12-token context
+    q.named(f"{READY}0").put_many([(0, 12)])             # one teacher rank, a 12-token context
 
     async def main():
         client = TeacherClient(q, 0, timeout_s=5, startup_s=5, num_teachers=1)
@@ -70,7 +70,7 @@ def test_a_samples_teacher_logprobs_land_on_its_model_tokens_and_feed_teacher_kl
 
 def test_a_teacher_that_does_not_answer_fails_the_sample_in_bounded_time():
     q = LocalQueues(1)
-    q.named(READY).put_many([(0, 128)])
+    q.named(f"{READY}0").put_many([(0, 128)])
 
     async def main():
         client = TeacherClient(q, 0, timeout_s=0.2, startup_s=5, num_teachers=1)
@@ -91,6 +91,15 @@ def test_the_teachers_logprobs_from_a_real_engine_match_transformers(vllm_proxy,
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
     want = logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
     assert len(got) == len(ids) - 1 and max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    # a teacher rank scores many samples at once: each answer is its own (request ids are unique)
+    seqs = [tok.encode(f"{a}+{a}={2 * a}") + [tok.eos_token_id] for a in range(40)]
+
+    async def together():
+        return await asyncio.gather(*[proxy.score(x) for x in seqs])
+    at_once = lt.run(together())
+    assert all(len(r) == len(x) - 1 for r, x in zip(at_once, seqs))
+    alone = [lt.run(proxy.score(x)) for x in seqs[:3]]
+    assert max(abs(a - b) for r, s in zip(at_once, alone) for a, b in zip(r, s)) < 1e-5
 
 
 def test_bad_teacher_flags_are_named(tmp_path, tiny_model_dir, chat_model):
