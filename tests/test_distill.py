@@ -1,6 +1,8 @@
 """ext/distill.py, on-policy distillation: the per-token advantage against a hand computation, a sample's
 teacher log-probs placed on its model tokens, the teacher's log-probs from a real engine against transformers,
-the bad inputs, and a torchrun run with a teacher rank whose teacher_kl falls."""
+the direction one real train step moves the student, the bad inputs, and a torchrun run with a teacher rank
+(every trained sample scored by it, the reverse KL reported). Whether distillation lowers the KL over a run
+is measured, not tested: over a few steps the tiny models' per-step KL is mostly noise."""
 
 import asyncio
 import json
@@ -33,6 +35,32 @@ def test_the_per_token_advantage_is_the_reward_advantage_plus_the_teachers_gap()
     assert torch.allclose(got, want)
     assert distill(mb, DistillParams(distill_coef=0.0)) is mb["adv"] and distill(mb, None) is mb["adv"]
     assert ADV_SHAPERS["distill"] is distill
+
+
+def test_one_train_step_moves_the_students_logprobs_toward_the_teachers(tiny_model_dir):
+    """Through the real trainer, reward advantages 0: the tokens the teacher likes more than the behaviour
+    policy did (log pi_teacher > log mu) gain log-prob, those it likes less lose it; --distill-coef 0
+    leaves nothing to learn (no gradient)."""
+    from model import collate, token_logprobs
+    from tests.test_trainer import make_samples
+    from trainer import Trainer, TrainConfig
+    samples = make_samples(tiny_model_dir)
+    for i, s in enumerate(samples):               # samples 0 and 2: the teacher likes them 1 nat more
+        s.token_fields["teacher_logp"] = [lp + (1.0 if i % 2 == 0 else -1.0) for lp in s.logprobs]
+    t = collate(samples, "cpu")
+
+    def step(coef):
+        tr = Trainer(str(tiny_model_dir), TrainConfig(loss="ppo", lr=1e-3, warmup_steps=0))
+        tr.cfg.hparams["distill"] = DistillParams(distill_coef=coef)
+        with torch.no_grad():
+            before = (token_logprobs(tr.model, t["input_ids"], t["attn"]) * t["mask"]).sum(1)
+        m = tr.train_step(samples, [0.0] * len(samples))
+        with torch.no_grad():
+            after = (token_logprobs(tr.model, t["input_ids"], t["attn"]) * t["mask"]).sum(1)
+        return (after - before).tolist(), m
+    delta, m = step(1.0)
+    assert delta[0] > 0 and delta[2] > 0 and delta[1] < 0 and delta[3] < 0 and m["grad_norm"] > 0
+    assert step(0.0)[1]["grad_norm"] == 0
 
 
 def answer_with(client_queues: LocalQueues, logprobs_of):
@@ -141,20 +169,20 @@ def test_teacher() -> Path:
 
 
 @pytest.mark.engine
-def test_distillation_alone_under_torchrun_lowers_the_teacher_kl(tmp_path, tiny_model_dir, test_teacher):
-    """3 ranks (trainer, rollout, teacher), --reward none: the student learns the teacher's per-token
-    log-probs alone, and the reverse KL to the teacher falls; every trained sample carried the teacher's
-    scores."""
+def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path, tiny_model_dir, test_teacher):
+    """3 ranks (trainer, rollout, teacher), --reward none: the student learns from the teacher's per-token
+    log-probs alone; every trained sample carried the teacher's scores (none failed), and teacher_kl and
+    time_teacher are recorded each step."""
     from tools.jobs import run_to_end, torchrun_cmd
     out = tmp_path / "distill"
-    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "12", "--batch-groups", "4", "--group-size", "4",
-                       "--redundant", "0", "--max-concurrency", "16", "--timeout-s", "300", "--lr", "3e-3",
+    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "6", "--batch-groups", "4", "--group-size", "4",
+                       "--redundant", "0", "--max-concurrency", "16", "--timeout-s", "300",
                        "--teacher", str(test_teacher), "--teacher-gpus", "1", "--distill-coef", "1",
                        "--reward", "none", "--no-filter-groups", "--save-every", "0")
     cmd[cmd.index("--nproc-per-node") + 1] = "3"
     rows = run_to_end(cmd, out, "test_distill", timeout_s=900)
     kl = [r["teacher_kl"] for r in rows]
-    assert len(kl) == 12 and all(r["num_samples"] == 16 for r in rows), kl
-    assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
+    assert len(kl) == 6 and all(r["num_samples"] == 16 and r["samples_failed"] == 0 for r in rows), rows
+    assert all(0 < k < 20 for k in kl), kl               # (the student's own engine and the teacher's differ)
     assert "teacher_kl" in (out.with_suffix(".log")).read_text() and all(r["time_teacher"] > 0 for r in rows)
     assert json.loads((out / "rollout_stats.json").read_text())
