@@ -3,6 +3,7 @@
 #   bash run.sh            train the embedded default: tiny model, addition task, async RL on CPU
 #   bash run.sh --steps 10 the same with train.py flags (bash run.sh train ARGS... too)
 #   bash run.sh test       the test suite (extra args go to pytest, e.g. -m "not engine")
+#   bash run.sh setup      the setup alone (then: .venv/bin/python train.py, one process, no torchrun)
 # Setup: a venv in .venv from requirements.txt, skipped when the stamp for this requirements.txt
 # exists; the tiny model in .cache/tiny-qwen2, built on first use and then reused.
 set -euo pipefail
@@ -28,6 +29,8 @@ case "$cmd" in
     *) [ $# -gt 0 ] && shift ;;
 esac
 case "$cmd" in
+    setup)
+        ;;
     test)
         exec "$venv/bin/python" -m pytest "$@" ;;
     train)
@@ -41,5 +44,5 @@ case "$cmd" in
         nproc=$("$venv/bin/python" train.py --rollout-gpus 1 --train-gpus 1 "$@" --print-world-size)
         exec "$venv/bin/torchrun" --nproc-per-node "$nproc" train.py --rollout-gpus 1 --train-gpus 1 "$@" ;;
     *)
-        echo "usage: bash run.sh [train|test] [args...]" >&2; exit 2 ;;
+        echo "usage: bash run.sh [train|test|setup] [args...]" >&2; exit 2 ;;
 esac
