@@ -197,7 +197,7 @@ class AsyncController:
         self.assembler.freshness = rule
 
     # --- schedule
-    def _groups_lost(self) -> int:
+    def _groups_ended_untrained(self) -> int:
         """Admitted groups that ended without being trained: filtered, or lost for a reason of Lost."""
         return self.assembler.groups_filtered + sum(getattr(self.assembler, f"groups_{why}") for why in Lost)
 
@@ -205,7 +205,7 @@ class AsyncController:
         """Admitted groups that hold a place under the async ratio: not lost or filtered, and not trained by
         an earlier step (this step's batch holds its places until it trains). Counting what was really
         trained, not B a step, keeps the bound when a step trains fewer groups (--on-max-gen-batches)."""
-        return self.groups_admitted - self._groups_lost() - self.taken_before_step
+        return self.groups_admitted - self._groups_ended_untrained() - self.taken_before_step
 
     def _next_problem(self) -> Problem:
         """The next prompt to admit: one to run again first, else the stream's next that the engine can
@@ -460,7 +460,7 @@ class AsyncController:
     def _all_admitted_done(self) -> bool:
         """Batch mode barrier: every admitted group is either complete or lost."""
         return not self.assembler.pending and self.buffer.num_queued_tasks() == 0 and \
-            self.groups_admitted - self._groups_lost() - self.groups_taken == self.assembler.num_ready()
+            self.groups_admitted - self._groups_ended_untrained() - self.groups_taken == self.assembler.num_ready()
 
     async def _abort_groups(self, group_ids: list[str]):
         for r in range(self.num_ranks):

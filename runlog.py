@@ -75,8 +75,8 @@ class RunLog:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
         start-up waits for, again every 15 s; then the "rollout ready" line."""
         n = self.cfg.rollout_gpus
-        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (vLLM's: about 30 s on a 2-core "
-               f"CPU) ...")
+        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (a vLLM engine on a 2-core CPU: "
+               f"about 30 s) ...")
         task = asyncio.ensure_future(awaitable)
         while not (await asyncio.wait({task}, timeout=15.0))[0]:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
@@ -194,7 +194,8 @@ def probe_verdict(diff: float, cfg) -> str:
 def start_line(cfg, world: int, model_dir: str, device: str, state) -> str:
     """The run's first line: its ranks, model, context, dtype, ratio, loss, device, weights."""
     rc = cfg.rollout
-    return (f"train.py: {world} ranks = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model "
+    who = f"{world} ranks" if world > 1 else "one process"          # (one: python train.py, no torchrun)
+    return (f"train.py: {who} = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model "
             f"{model_dir} (context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a turn), "
             f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, weights: "
             f"{cfg.weight_transport}"
