@@ -459,8 +459,9 @@ class AsyncController:
 
     def _all_admitted_done(self) -> bool:
         """Batch mode barrier: every admitted group is either complete or lost."""
+        untrained = self._groups_ended_untrained()
         return not self.assembler.pending and self.buffer.num_queued_tasks() == 0 and \
-            self.groups_admitted - self._groups_ended_untrained() - self.groups_taken == self.assembler.num_ready()
+            self.groups_admitted - untrained - self.groups_taken == self.assembler.num_ready()
 
     async def _abort_groups(self, group_ids: list[str]):
         for r in range(self.num_ranks):

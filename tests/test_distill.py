@@ -169,7 +169,8 @@ def test_teacher() -> Path:
 
 
 @pytest.mark.engine
-def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path, tiny_model_dir, test_teacher):
+def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path, tiny_model_dir,
+                                                                       test_teacher):
     """3 ranks (trainer, rollout, teacher), --reward none: the student learns from the teacher's per-token
     log-probs alone; every trained sample carried the teacher's scores (none failed), and teacher_kl and
     time_teacher are recorded each step."""

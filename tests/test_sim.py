@@ -192,7 +192,8 @@ def test_every_admitted_group_ends_in_a_state_the_controller_learns_of(replicate
                 | set(ctrl.assembler.pending)
                 | {g[0].group_id for g in ctrl.assembler.ready})
         leaked.append(len(set(ctrl.problem_of) - work))
-        assert ctrl.groups_admitted == ctrl.groups_taken + ctrl._groups_ended_untrained() + len(ctrl.problem_of)
+        ended = ctrl.groups_taken + ctrl._groups_ended_untrained()
+        assert ctrl.groups_admitted == ended + len(ctrl.problem_of)
     r = sim.simulate(replace(LONG_TAIL, replicate=replicate), observe=observe)
     assert sum(m.counters["aborted_stale"] for m in managers) > 0      # the case at hand did happen
     assert leaked == [0] * LONG_TAIL.steps
