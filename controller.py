@@ -322,10 +322,15 @@ class AsyncController:
             s = await self.buffer.get_sample(timeout=min(cfg.timeout_s - waited, cfg.heartbeat_s, 1.0))
         except TimeoutError:
             return None
+        self.received(s)
         if self.taps and await self._tapped(s):
-            self.failed_received += s.failed and not s.notice     # (the rank counted its failure too)
             return None
         return s
+
+    def received(self, s):
+        """Every sample taken off the queue passes here once (collect's, a tap's, evaluation's last round,
+        stop's): a failed one is counted as the rank that sent it counted it (a notice is no failure)."""
+        self.failed_received += s.failed and not s.notice
 
     async def _add(self, s):
         """A sample into its group (the assembler). A group it leaves lost (given up, or stale) has its
@@ -334,7 +339,6 @@ class AsyncController:
         assembler, gid = self.assembler, s.group_id
         closed_before, alive_before = len(assembler.closed), gid not in assembler.dead
         assembler.add(s, self.version)
-        self.failed_received += s.failed and not s.notice
         if not s.failed:
             self.step_rewards.append(s.reward)
         if alive_before and gid in assembler.dead:
@@ -609,7 +613,7 @@ class AsyncController:
         stats = [a.stats for a in sorted(await self._wait_acks(Phase.STOPPED, None), key=lambda a: a.rank)]
         # a rank sends its last samples before its STOPPED ack: count what nobody will train on
         while (s := self.buffer.get_sample_nowait()) is not None:
-            self.failed_received += s.failed and not s.notice
+            self.received(s)
             self.samples_unconsumed += 1
         return stats
 

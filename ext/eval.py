@@ -88,6 +88,7 @@ class Evaluation:
         ctrl = self.ctrl
         while self.round is not None and self.round["left"] > 0:
             s = await ctrl.buffer.get_sample(timeout=ctrl.cfg.timeout_s)
+            ctrl.received(s)
             if not await self.tap(s):
                 ctrl.samples_unconsumed += 1
         return self.result()

@@ -217,3 +217,26 @@ def test_a_failed_sample_a_tap_takes_is_counted_as_received():
         c._begin_step()
         return await c._next_sample(0), c.failed_received
     assert asyncio.run(main()) == (None, 1)
+
+
+def test_the_failed_samples_of_evaluations_last_round_are_counted_as_received():
+    """At the run's end Evaluation.finish (ext/eval.py) takes the last round's samples off the queue itself:
+    a failed one there, and a failed training sample it leaves unconsumed, are counted as received too."""
+    from ext.eval import Evaluation
+
+    def sample(task_id, eval_, failed):
+        return Sample(task_id, task_id.rsplit(".", 1)[0], [], [], [], [], [], 1.0, failed=failed,
+                      meta={"retrying": False, "eval": eval_})
+
+    async def main():
+        c = controller(version=3)
+        ev = Evaluation(c)
+        await ev.start([Problem("1+1=", "2")], k=1)                    # tasks eval3.0.greedy, eval3.0.t0
+        await c.buffer.transport.put_many("samples", [sample("train.7", False, True),
+                                                      sample("eval3.0.greedy", True, True),
+                                                      sample("eval3.0.t0", True, False)])
+        result = await ev.finish()
+        return result, c.failed_received, c.samples_unconsumed
+    result, failed, unconsumed = asyncio.run(main())
+    assert result == {"eval_version": 3, "eval_greedy": 0.0, "eval_mean_at_1": 1.0}
+    assert (failed, unconsumed) == (2, 1)

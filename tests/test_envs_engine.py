@@ -198,7 +198,8 @@ def check_collate(s, calls: list[Call]):
     of the engine's tokens (column p: the token at position p, scored given the tokens before it, as
     token_logprobs does), where old_logp holds the engine's logprobs (float32), and 0 elsewhere."""
     t = collate([s], "cpu")
-    assert set(t) == {"input_ids", "attn", "old_logp", "mask"}
+    assert set(t) == {"input_ids", "attn", "old_logp", "mask", "fields"}
+    assert set(t["fields"]) == {"version", *s.token_fields}
     n = s.num_tokens
     assert t["input_ids"].shape == t["mask"].shape == t["old_logp"].shape == t["attn"].shape == (1, n)
     assert t["input_ids"][0].tolist() == s.prompt_ids + s.response_ids
@@ -211,6 +212,8 @@ def check_collate(s, calls: list[Call]):
     want = torch.zeros(n)
     want[cols] = torch.tensor([lp for c in calls for lp in c.logprobs], dtype=torch.float32)
     assert torch.equal(t["old_logp"][0], want)
+    want[cols] = torch.tensor([v for c in calls for v in c.versions], dtype=torch.float32)
+    assert torch.equal(t["fields"]["version"][0], want)          # each model token's policy version
 
 
 def failures(samples) -> list[str]:
