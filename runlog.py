@@ -75,8 +75,8 @@ class RunLog:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
         start-up waits for, again every 15 s; then the "rollout ready" line."""
         n = self.cfg.rollout_gpus
-        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (a vLLM engine on a 2-core CPU: "
-               f"about 30 s) ...")
+        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (on a 2-core CPU: a vLLM engine "
+               f"about 30 s, the one-process run's torch engine a few) ...")
         task = asyncio.ensure_future(awaitable)
         while not (await asyncio.wait({task}, timeout=15.0))[0]:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
