@@ -160,7 +160,7 @@ def test_bad_teacher_flags_are_named(tmp_path, tiny_model_dir, chat_model):
 
 
 @pytest.fixture(scope="session")
-def test_teacher() -> Path:
+def distill_teacher() -> Path:
     """A teacher unlike the student (another seed, a shorter warm start: cheap to build, cached): what the
     student's teacher_kl can fall towards."""
     import tiny_model
@@ -170,7 +170,7 @@ def test_teacher() -> Path:
 
 @pytest.mark.engine
 def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path, tiny_model_dir,
-                                                                       test_teacher):
+                                                                       distill_teacher):
     """3 ranks (trainer, rollout, teacher), --reward none: the student learns from the teacher's per-token
     log-probs alone; every trained sample carried the teacher's scores (none failed), and teacher_kl and
     time_teacher are recorded each step."""
@@ -178,7 +178,7 @@ def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path,
     out = tmp_path / "distill"
     cmd = torchrun_cmd("--out-dir", str(out), "--steps", "6", "--batch-groups", "4", "--group-size", "4",
                        "--redundant", "0", "--max-concurrency", "16", "--timeout-s", "300",
-                       "--teacher", str(test_teacher), "--teacher-gpus", "1", "--distill-coef", "1",
+                       "--teacher", str(distill_teacher), "--teacher-gpus", "1", "--distill-coef", "1",
                        "--reward", "none", "--no-filter-groups", "--save-every", "0")
     cmd[cmd.index("--nproc-per-node") + 1] = "3"
     rows = run_to_end(cmd, out, "test_distill", timeout_s=900)
