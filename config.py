@@ -210,12 +210,14 @@ class Extension:
     def env_wrapper(self, index: int):
         """(env) -> env, for every env rollout rank `index` makes (injected faults)."""
 
-    def scorer(self):
-        """What scores answers, if not inline: async score(problem, response), stats(), shutdown()."""
+    def scorer(self, index: int, buffer):
+        """What scores rollout rank `index`'s answers, if not inline: async score(problem, response), stats(),
+        shutdown() (a verifier pool, an LLM judge)."""
 
     def sample_finisher(self, index: int, buffer):
-        """async (Sample) -> None, run on every finished sample of rollout rank `index` before it is sent
-        (a teacher's per-token log-probs into its token_fields); an EnvFailure fails the attempt."""
+        """async (Sample) -> None, run on every finished sample of rollout rank `index` before it is sent, in
+        the trajectory's own task (a teacher's per-token log-probs into its token_fields, a judge's record);
+        an EnvFailure fails the attempt. Every extension's, in order."""
 
     def env_deadline(self):
         """The env calls' deadline (rollout.FixedDeadline's interface), if not --env-step-timeout-s."""
@@ -238,6 +240,16 @@ class Extensions(list):
     def call(self, hook: str, *args) -> list:
         """Every extension's answer to hook(*args), None left out."""
         return [r for r in (getattr(e, hook)(*args) for e in self) if r is not None]
+
+    def chain(self, hook: str, *args):
+        """The async functions every extension's hook(*args) gives, as one that awaits each in turn (None:
+        none gave one)."""
+        fns = self.call(hook, *args)
+
+        async def each(*a):
+            for fn in fns:
+                await fn(*a)
+        return each if fns else None
 
     def first(self, hook: str, *args):
         """The one extension that answers hook(*args), or None; two answering is an error."""

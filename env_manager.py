@@ -39,9 +39,10 @@ class EnvManager:
                  deadline=None, finisher=None):
         """env_wrappers: (env) -> env, applied to every env (ext/faults.py); recovery: what replaces a dead
         engine (ext/recovery.py), None: an engine failure ends the rank; scorer: what scores answers
-        (ext/verifiers.py's pool: score, stats, shutdown), None: inline; deadline: the env calls' (ext/
-        deadlines.py's adaptive one), None: a fixed --env-step-timeout-s; finisher: async (Sample) -> None
-        on every finished sample before it is sent (an extension's: a teacher's log-probs), None: none."""
+        (ext/verifiers.py's pool, ext/judge.py: score, stats, shutdown), None: inline; deadline: the env
+        calls' (ext/deadlines.py's adaptive one), None: a fixed --env-step-timeout-s; finisher: async (Sample)
+        -> None on every finished sample before it is sent (an extension's: a teacher's log-probs), None:
+        none."""
         self.proxy = proxy
         self.buffer = buffer
         self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
@@ -66,8 +67,12 @@ class EnvManager:
         self.deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)   # every env call's
         self.scorer = scorer
         self.finisher = finisher
-        self.reward_fn = (scorer.score if scorer
-                          else inline_reward(load_reward(cfg.reward)) if cfg.reward else None)
+        verifier = inline_reward(load_reward(cfg.reward)) if cfg.reward else None   # (None: task.reward)
+        self.reward_fn = scorer.score if scorer else verifier
+        # held-out evaluation is scored by the task's verifier whatever trains (--reward none: the task's own
+        # check; a scorer that is not a verifier, an LLM judge, names its verifier as held_out)
+        self.eval_reward_fn = (getattr(scorer, "held_out", scorer.score) if scorer
+                               else None if cfg.reward == "none" else verifier)
         self.jobs: dict[str, tuple[RolloutTask, asyncio.Task]] = {}   # task_id -> (task, its asyncio task)
         self.trajs: dict[str, dict[int, Trajectory]] = {}            # task_id -> sample index -> live attempt
         self.aborted_groups: set[str] = set()
@@ -383,5 +388,7 @@ class EnvManager:
         if task.env not in ENVS:
             raise ValueError(f"rollout rank {self.rank}: task {task.task_id} asks for env {task.env!r}; "
                              f"known: {sorted(ENVS)}")
-        env = ENVS[task.env](task.problem, env_seed(task.group_id), reward_fn=self.reward_fn)
+        held_out = task.eval_temperature is not None
+        env = ENVS[task.env](task.problem, env_seed(task.group_id),
+                             reward_fn=self.eval_reward_fn if held_out else self.reward_fn)
         return self.env_wrappers(env) if self.env_wrappers else env

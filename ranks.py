@@ -306,7 +306,9 @@ def init_distributed(cfg, extra: int = 0):
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     engine_core = ""
     if not cuda:   # CPU: trainer rank t on host core t (one thread); rollout ranks share the host cores
-        host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus + extra)
+        # (the extensions' engines, a teacher's or a judge's, share the rollout engines' cores: they score or
+        # judge finished samples, a fraction of generation's work, and the trainer keeps a core of its own)
+        host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
         engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)]) if rank >= cfg.train_gpus else ""

@@ -189,8 +189,9 @@ def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokeni
                       probe_ids=tokenizer.encode(PROBE_TEXT),
                       recovery=exts.first("engine_recovery", restart_engine) if restart_engine else None,
                       env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
-                      if wrappers else None, scorer=exts.first("scorer"), deadline=exts.first("env_deadline"),
-                      finisher=exts.first("sample_finisher", index, buffer))     # (a teacher's log-probs)
+                      if wrappers else None, scorer=exts.first("scorer", index, buffer),
+                      deadline=exts.first("env_deadline"),
+                      finisher=exts.chain("sample_finisher", index, buffer))   # (a teacher's log-probs, ...)
 
 
 def run_trainer(cfg: Config, exts, rank: int, device: str, trainer_group, store, model_dir: str, state,

@@ -253,7 +253,7 @@ class Verifiers(Extension):
     def problem_maker(self, seed: int):
         return reasoning_gym_maker(self.part.task, seed) if self.part.task else None
 
-    def scorer(self):
+    def scorer(self, index: int, buffer):
         p = self.part
         if p.reward_workers <= 0:
             return None

@@ -1,8 +1,8 @@
 """ext/distill.py, on-policy distillation: the per-token advantage against a hand computation, a sample's
 teacher log-probs placed on its model tokens, the teacher's log-probs from a real engine against transformers,
 the direction one real train step moves the student, the bad inputs, and a torchrun run with a teacher rank
-(every trained sample scored by it, the reverse KL reported). Whether distillation lowers the KL over a run
-is measured, not tested: over a few steps the tiny models' per-step KL is mostly noise."""
+(every trained sample scored by it, the reverse KL to the teacher falling). How far and how fast against RL,
+at which async ratio: tools/distill_study.py."""
 
 import asyncio
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from buffer import LocalQueues, Sample
-from ext.distill import READY, REQUESTS, DistillConfig, DistillParams, TeacherClient, distill, teacher_kl
+from ext.distill import NAME, DistillConfig, DistillParams, TeacherClient, distill, teacher_kl
 from losses import ADV_SHAPERS, Fields
 from rollout import EnvFailure
 
@@ -66,10 +66,11 @@ def test_one_train_step_moves_the_students_logprobs_toward_the_teachers(tiny_mod
 def answer_with(client_queues: LocalQueues, logprobs_of):
     """A teacher rank's part, in process: answer every request on its rank's queue with logprobs_of(ids)."""
     async def serve():
-        requests = client_queues.named(REQUESTS)
+        requests = client_queues.named(NAME)
         while True:
-            for rank, rid, ids in requests.get_many(64):
-                client_queues.named(f"teacher{rank}").put_many([(rid, logprobs_of(ids))])
+            for rank, rid, op, ids, _ in requests.get_many(64):
+                assert op == "score"
+                client_queues.named(f"{NAME}{rank}").put_many([(rid, logprobs_of(ids))])
             await asyncio.sleep(0.001)
     return serve
 
@@ -79,7 +80,7 @@ def test_a_samples_teacher_logprobs_land_on_its_model_tokens_and_feed_teacher_kl
     each token after the first comes back; the sample keeps those of its model tokens, in order; teacher_kl
     is the mean of log mu - log pi_teacher over them. A sample longer than the teacher's context fails."""
     q = LocalQueues(1)
-    q.named(f"{READY}0").put_many([(0, 12)])             # one teacher rank, a 12-token context
+    q.named(f"{NAME}_ready0").put_many([(0, 12)])             # one teacher rank, a 12-token context
 
     async def main():
         client = TeacherClient(q, 0, timeout_s=5, startup_s=5, num_teachers=1)
@@ -98,11 +99,11 @@ def test_a_samples_teacher_logprobs_land_on_its_model_tokens_and_feed_teacher_kl
 
 def test_a_teacher_that_does_not_answer_fails_the_sample_in_bounded_time():
     q = LocalQueues(1)
-    q.named(f"{READY}0").put_many([(0, 128)])
+    q.named(f"{NAME}_ready0").put_many([(0, 128)])
 
     async def main():
         client = TeacherClient(q, 0, timeout_s=0.2, startup_s=5, num_teachers=1)
-        with pytest.raises(EnvFailure, match="no answer within 0s .*--teacher-timeout-s"):
+        with pytest.raises(EnvFailure, match="no answer within 0s.*--teacher-timeout-s"):
             await client(Sample("t", "g", [1], [2], [0.0], [1], [0], 1.0))
     asyncio.run(main())
 
@@ -169,21 +170,23 @@ def distill_teacher() -> Path:
 
 
 @pytest.mark.engine
-def test_distillation_alone_under_torchrun_scores_every_trained_sample(tmp_path, tiny_model_dir,
-                                                                       distill_teacher):
+def test_distillation_alone_under_torchrun_lowers_the_students_kl_to_its_teacher(tmp_path, tiny_model_dir,
+                                                                                 distill_teacher):
     """3 ranks (trainer, rollout, teacher), --reward none: the student learns from the teacher's per-token
-    log-probs alone; every trained sample carried the teacher's scores (none failed), and teacher_kl and
-    time_teacher are recorded each step."""
+    log-probs alone. Every trained sample carried the teacher's scores (none failed), teacher_kl and
+    time_teacher are recorded each step, and the reverse KL to the teacher falls: the last 4 steps' mean
+    below 90% of the first 4 steps' (256 samples a step; one step's KL varies by about 0.1 around a mean
+    that falls from about 0.75 to 0.45 over these 14 steps)."""
     from tools.jobs import run_to_end, torchrun_cmd
     out = tmp_path / "distill"
-    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "6", "--batch-groups", "4", "--group-size", "4",
-                       "--redundant", "0", "--max-concurrency", "16", "--timeout-s", "300",
+    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "14", "--timeout-s", "300",
                        "--teacher", str(distill_teacher), "--teacher-gpus", "1", "--distill-coef", "1",
                        "--reward", "none", "--no-filter-groups", "--save-every", "0")
     cmd[cmd.index("--nproc-per-node") + 1] = "3"
     rows = run_to_end(cmd, out, "test_distill", timeout_s=900)
     kl = [r["teacher_kl"] for r in rows]
-    assert len(kl) == 6 and all(r["num_samples"] == 16 and r["samples_failed"] == 0 for r in rows), rows
+    assert len(kl) == 14 and all(r["num_samples"] == 256 and r["samples_failed"] == 0 for r in rows), rows
     assert all(0 < k < 20 for k in kl), kl               # (the student's own engine and the teacher's differ)
+    assert sum(kl[-4:]) < 0.9 * sum(kl[:4]), kl
     assert "teacher_kl" in (out.with_suffix(".log")).read_text() and all(r["time_teacher"] > 0 for r in rows)
     assert json.loads((out / "rollout_stats.json").read_text())

@@ -1,0 +1,177 @@
+"""ext/served.py: a model in the loop, served by ranks of its own: what a distillation teacher
+(ext/distill.py) and an LLM judge (ext/judge.py) run on. Not a flag: the library those two extensions share.
+
+An extension with K served ranks (Extension.extra_ranks, after the rollout ranks) runs serve() on each: a vLLM
+engine of its model (never a weight sync), which answers every rollout rank's requests:
+
+    ("score", ids)                     -> the log-prob of each token after the first, given the ones before
+                                          (vLLM's prompt log-probs, temperature 1)
+    ("generate", (ids, max_tokens))    -> the greedy continuation's token ids (through its EOS)
+
+How rollout ranks reach served ranks (the transport's named side queues, on trainer rank 0's queue server):
+one shared request queue NAME that every idle served rank pulls from, so the load balances itself (least
+loaded, no assignment to keep; a served rank that dies leaves the others to answer), a reply queue NAME<r> per
+rollout rank r, and NAME_ready<r>, where each served rank announces (index, its context) once its engine is
+up. A request whose answer does not come within the caller's timeout fails its sample (rollout.EnvFailure:
+counted, tried again with a new trajectory): a served rank that died or hangs costs those samples and a
+bounded wait, never the run. Both directions go in lists, one round trip per tick each.
+"""
+
+import asyncio
+import time
+
+from rollout import EnvFailure
+
+POLL_S = (0.002, 0.008)      # an empty queue is polled after 2 ms, then ever less often, up to 8 ms
+
+
+async def _call(transport, fn, *args):
+    """A named queue's call: off the loop where it is a round trip to the queue server."""
+    return await asyncio.to_thread(fn, *args) if transport.round_trips else fn(*args)
+
+
+class ServedClient:
+    """A rollout rank's side: requests to NAME's served ranks, answers back to the callers awaiting them. One
+    task per rank (the pump) sends the requests made since its last tick and wakes the callers answered."""
+
+    def __init__(self, transport, rank: int, name: str, num_ranks: int, startup_s: float):
+        self.transport, self.rank, self.name = transport, rank, name
+        self.num_ranks, self.startup_s = num_ranks, startup_s
+        self.requests, self.replies = transport.named(name), transport.named(f"{name}{rank}")
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.outbox: list = []                   # requests not sent yet
+        self.pump: asyncio.Task | None = None
+        self.context = 0                         # the served ranks' context (tokens), once they are up
+        self.up: asyncio.Task | None = None      # waiting for them
+        self.sent = 0
+
+    async def _ready(self):
+        """Wait for every served rank's engine (its start takes as long as a rollout rank's)."""
+        ready, got = self.transport.named(f"{self.name}_ready{self.rank}"), []
+        deadline = time.monotonic() + self.startup_s
+        while len(got) < self.num_ranks:
+            got += await _call(self.transport, ready.get_many, self.num_ranks)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout rank {self.rank}: {len(got)} of {self.num_ranks} {self.name} "
+                                   f"ranks up within {self.startup_s:.0f}s (--startup-timeout-s)")
+            await asyncio.sleep(0 if len(got) == self.num_ranks else 0.5)
+        self.context = min(c for _, c in got)
+
+    async def _pump(self):
+        wait = POLL_S[0]
+        while True:
+            if self.outbox:
+                out, self.outbox = self.outbox, []
+                await _call(self.transport, self.requests.put_many, out)
+            got = await _call(self.transport, self.replies.get_many, 1024)
+            for rid, answer in got:
+                fut = self.waiting.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+            wait = POLL_S[0] if got or self.outbox else min(2 * wait, POLL_S[1])
+            await asyncio.sleep(0 if got else wait)
+
+    async def start(self):
+        """Wait for the served ranks (the first caller starts the wait; the others wait with it)."""
+        if self.up is None:
+            self.up = asyncio.get_running_loop().create_task(self._ready())
+        await asyncio.shield(self.up)
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.get_running_loop().create_task(self._pump())
+
+    async def ask(self, op: str, ids: list[int], arg, timeout_s: float | None, where: str):
+        """One request's answer; EnvFailure (named by `where`) when it is too long for the served model's
+        context, does not come within timeout_s (None: the caller bounds it), or the served rank failed it."""
+        await self.start()
+        if len(ids) > self.context:
+            raise EnvFailure(f"{where}: the sample's {len(ids)} tokens exceed the {self.name}'s context "
+                             f"({self.context})")
+        self.sent += 1
+        rid = f"{self.rank}.{self.sent}"
+        fut = self.waiting[rid] = asyncio.get_running_loop().create_future()
+        self.outbox.append((self.rank, rid, op, ids, arg))        # (the pump sends it with the others)
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await fut
+        except TimeoutError:
+            raise EnvFailure(f"{where}: no answer within {timeout_s:.0f}s: a {self.name} rank dead or "
+                             f"overloaded?", timeout=True) from None
+        finally:
+            self.waiting.pop(rid, None)
+        if isinstance(answer, str):
+            raise EnvFailure(f"{where}: {answer}")
+        return answer
+
+
+async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_core: str,
+                buffer_addr: tuple):
+    """A served rank: its engine up, then every request it takes answered (concurrent requests batch in the
+    engine), until a stop (None on the request queue) or the queue server's end."""
+    from buffer import ManagerQueues
+    from proxy import LLMProxy, Sampling
+    who, rc = f"{name} rank {index}", cfg.rollout
+    proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.controller.timeout_s,
+                                      startup_timeout_s=cfg.controller.startup_timeout_s,
+                                      cpu_cores=engine_core, max_num_seqs=rc.max_concurrency, dtype=rc.dtype,
+                                      enforce_eager=True if device == "cpu" else None,
+                                      seed=cfg.train.seed + 1000 + index)
+    try:
+        queues = await asyncio.to_thread(ManagerQueues.connect, *buffer_addr, cfg.rollout_gpus,
+                                         cfg.controller.startup_timeout_s, who)
+        context = proxy.engine.llm.model_config.max_model_len
+        for r in range(cfg.rollout_gpus):               # (each rollout rank reads its own)
+            await asyncio.to_thread(queues.named(f"{name}_ready{r}").put_many, [(index, context)])
+        requests, running = queues.named(name), set()
+        replies = [queues.named(f"{name}{r}") for r in range(cfg.rollout_gpus)]
+        answers: list[list] = [[] for _ in replies]      # per rollout rank, answered and not sent yet
+
+        async def answer(rank: int, rid: str, op: str, ids: list[int], arg):
+            try:
+                if op == "score":
+                    out = await proxy.score(ids)
+                else:                                    # "generate": greedy, arg tokens at most
+                    c = await proxy.generate(ids, Sampling(max_tokens=min(arg, context - len(ids)),
+                                                           temperature=0.0), request_id=f"{name}-{rid}")
+                    out = c.token_ids
+            except Exception as e:     # (a request's own failure, named; an engine that died fails them all)
+                out = f"{who}: {e!r}"[:500]
+            answers[rank].append((rid, out))     # (after the await: the list to send may be a new one now)
+        wait = POLL_S[0]
+        while True:
+            for rank, out in enumerate(answers):          # each tick: every answer so far, a list a rank
+                if out:
+                    answers[rank] = []
+                    await asyncio.to_thread(replies[rank].put_many, out)
+            try:
+                got = await asyncio.to_thread(requests.get_many, 1024)
+            except (EOFError, ConnectionError):      # the queue server is gone: trainer rank 0's run ended
+                break                                # (a crash there is named at the final barrier)
+            if None in got:            # the run ended (rank 0 puts one stop per served rank)
+                break
+            for rank, rid, op, ids, arg in got:
+                task = asyncio.get_running_loop().create_task(answer(rank, rid, op, ids, arg))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            wait = POLL_S[0] if got or running else min(2 * wait, POLL_S[1])
+            await asyncio.sleep(0 if got else wait)
+    finally:
+        proxy.shutdown()
+
+
+def run_rank(cfg, model_dir: str, name: str, index: int, device: str, engine_core: str, buffer_addr: tuple):
+    """Extension.run_extra_rank for a served model."""
+    from ranks import pin_engine_gpu
+    pin_engine_gpu(device)           # GPU: the engine sees only this rank's GPU
+    asyncio.run(serve(cfg, model_dir, name, index, device, engine_core, buffer_addr))
+
+
+def stop(ctrl, name: str, num_ranks: int):
+    """The run ended: one stop per served rank, on their queue (they then join the final barrier)."""
+    ctrl.buffer.transport.named(name).put_many([None] * num_ranks)
+
+
+def check_model_dir(flag: str, path: str, built_by: str = ""):
+    from pathlib import Path
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"{flag} {path}: not a Hugging Face model dir (no config.json)"
+                         + (f" ({built_by} builds it)" if built_by else ""))
