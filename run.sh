@@ -37,10 +37,12 @@ case "$cmd" in
         "$venv/bin/python" tiny_model.py --quiet
         # --teacher .cache/tiny-teacher: the embedded distillation teacher, built on first use too
         if [[ " $* " == *"tiny-teacher"* ]]; then "$venv/bin/python" tiny_model.py --quiet --teacher; fi
+        # --judge .cache/tiny-judge: the embedded LLM judge, the same
+        if [[ " $* " == *"tiny-judge"* ]]; then "$venv/bin/python" -m ext.judge --build --quiet; fi
         # torchrun prints a banner when it has to set this itself; every rank runs one thread on its own core
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         # the default layout for a 2-core machine: one trainer rank and one engine, a core each; as many
-        # ranks as the flags ask for (more engines, a teacher's: train.py counts them)
+        # ranks as the flags ask for (more engines, a teacher's, a judge's: train.py counts them)
         nproc=$("$venv/bin/python" train.py --rollout-gpus 1 --train-gpus 1 "$@" --print-world-size)
         exec "$venv/bin/torchrun" --nproc-per-node "$nproc" train.py --rollout-gpus 1 --train-gpus 1 "$@" ;;
     *)

@@ -48,6 +48,7 @@ class TinyConfig:
     sft_lr: float = 1e-3
     digits: tuple = (1, 2, 3)     # operand digit counts of the default task
     tool_frac: float = 0.0        # share of warm-start examples that use a tool (ensure_tiny_model's tool)
+    init_from: str = ""           # start from this built model's weights (a dir beside DEFAULT_DIR)
 
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
@@ -155,8 +156,9 @@ def sample_accuracy(model, tokenizer, problems: list[task.Problem], greedy: bool
 
 def _build_hash(cfg: TinyConfig) -> str:
     d = asdict(cfg)
-    if not d["tool_frac"]:      # (added later: a build without tools keeps the hash it always had)
-        del d["tool_frac"]
+    for added_later in ("tool_frac", "init_from"):     # (unset: a build keeps the hash it always had)
+        if not d[added_later]:
+            del d[added_later]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -180,6 +182,10 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
     torch.set_num_threads(1)  # deterministic reductions
     tokenizer = build_tokenizer()
     model = build_model(cfg)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+        start = AutoModelForCausalLM.from_pretrained(out_dir.parent / cfg.init_from)
+        model.load_state_dict(start.state_dict())
     num_params = sum(p.numel() for p in model.parameters())
     log(f"tiny model: building {num_params / 1e6:.2f}M params, {cfg.sft_steps} warm-start steps -> {out_dir}")
 

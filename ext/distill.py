@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from config import Extension, check, extension, opt
-from ext.served import ServedClient, check_model_dir, run_rank, stop
+from ext.served import check_model_dir, client, run_rank, stop
 from losses import ADV_SHAPERS, loss
 from rollout import EnvFailure
 
@@ -79,13 +79,13 @@ def distill(mb, params) -> object:
 ADV_SHAPERS["distill"] = distill
 
 
-class TeacherClient(ServedClient):
+class TeacherClient:
     """A rollout rank's sample finisher: each finished sample's tokens to the teacher ranks, their log-probs
     of its model tokens into the sample."""
 
     def __init__(self, transport, rank: int, timeout_s: float, startup_s: float, num_teachers: int):
-        super().__init__(transport, rank, NAME, num_teachers, startup_s)
-        self.timeout_s = timeout_s
+        self.rank, self.timeout_s = rank, timeout_s
+        self.teachers = client(transport, rank, NAME, num_teachers, startup_s)
 
     async def __call__(self, s):
         """Score sample s: token_fields["teacher_logp"], one per model token; meta["teacher_s"]."""
@@ -94,7 +94,8 @@ class TeacherClient(ServedClient):
         t0 = time.monotonic()
         where = f"rollout rank {self.rank}: task {s.task_id}'s teacher scores"
         try:        # [len(ids) - 1]: each token after the first, given the rest
-            logprobs = await self.ask("score", s.prompt_ids + s.response_ids, None, self.timeout_s, where)
+            logprobs = await self.teachers.ask("score", s.prompt_ids + s.response_ids, None, self.timeout_s,
+                                               where)
         except EnvFailure as e:
             if e.timeout:
                 raise EnvFailure(f"{e} (--teacher-timeout-s)", timeout=True) from None

@@ -103,12 +103,24 @@ class ServedClient:
         return answer
 
 
+async def answer_request(proxy, op: str, ids: list[int], arg, context: int, request_id: str, who: str):
+    """One request's answer from a served rank's engine (the module docstring's ops), or the failure named."""
+    from proxy import Sampling
+    try:
+        if op == "score":
+            return await proxy.score(ids)
+        greedy = Sampling(max_tokens=max(1, min(arg, context - len(ids))), temperature=0.0)
+        return (await proxy.generate(ids, greedy, request_id=request_id)).token_ids   # at most arg tokens
+    except Exception as e:     # (a request's own failure, named; an engine that died fails them all)
+        return f"{who}: {e!r}"[:500]
+
+
 async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_core: str,
                 buffer_addr: tuple):
     """A served rank: its engine up, then every request it takes answered (concurrent requests batch in the
     engine), until a stop (None on the request queue) or the queue server's end."""
     from buffer import ManagerQueues
-    from proxy import LLMProxy, Sampling
+    from proxy import LLMProxy
     who, rc = f"{name} rank {index}", cfg.rollout
     proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.controller.timeout_s,
                                       startup_timeout_s=cfg.controller.startup_timeout_s,
@@ -126,15 +138,7 @@ async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_
         answers: list[list] = [[] for _ in replies]      # per rollout rank, answered and not sent yet
 
         async def answer(rank: int, rid: str, op: str, ids: list[int], arg):
-            try:
-                if op == "score":
-                    out = await proxy.score(ids)
-                else:                                    # "generate": greedy, arg tokens at most
-                    c = await proxy.generate(ids, Sampling(max_tokens=min(arg, context - len(ids)),
-                                                           temperature=0.0), request_id=f"{name}-{rid}")
-                    out = c.token_ids
-            except Exception as e:     # (a request's own failure, named; an engine that died fails them all)
-                out = f"{who}: {e!r}"[:500]
+            out = await answer_request(proxy, op, ids, arg, context, f"{name}-{rid}", who)
             answers[rank].append((rid, out))     # (after the await: the list to send may be a new one now)
         wait = POLL_S[0]
         while True:
@@ -156,6 +160,19 @@ async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_
             await asyncio.sleep(0 if got else wait)
     finally:
         proxy.shutdown()
+
+
+_CLIENTS: dict[tuple, ServedClient] = {}
+
+
+def client(transport, rank: int, name: str, num_ranks: int, startup_s: float) -> ServedClient:
+    """Rollout rank `rank`'s client of NAME's served ranks: one a process and name, shared by every extension
+    that asks them (a judge on the teacher's ranks shares the teacher's), since the answers come back on one
+    queue a rank."""
+    key = (id(transport), rank, name)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = ServedClient(transport, rank, name, num_ranks, startup_s)
+    return _CLIENTS[key]
 
 
 def run_rank(cfg, model_dir: str, name: str, index: int, device: str, engine_core: str, buffer_addr: tuple):

@@ -53,16 +53,22 @@ def kind_args(kind: str, teacher: str, coef: float) -> list[str]:
 
 def run(kind: str, ratio: int, seed: int, args, out_root: Path) -> dict:
     """One torchrun job to its end; its figures and per-step rows."""
+    return job(kind, kind_args(kind, args.teacher, args.coef), 2 if kind == "rl" else 3, ratio, seed, args,
+               out_root, "distill_study")
+
+
+def job(kind: str, train_args: list[str], nproc: int, ratio: int, seed: int, args, out_root: Path,
+        who: str) -> dict:
+    """`torchrun train.py` on nproc ranks (the extensions' served ranks included) to its end, with the study's
+    steps, batch and held-out evaluation: its figures and per-step series."""
     out = out_root / f"{kind}_r{ratio}_s{seed}"
     cmd = torchrun_cmd("--out-dir", str(out), "--overwrite", "--steps", str(args.steps), "--seed", str(seed),
                        "--async-ratio", str(ratio), "--eval-every", str(args.eval_every),
                        "--eval-prompts", str(args.eval_prompts), "--eval-k", str(args.eval_k),
-                       "--batch-groups", str(args.batch_groups), "--save-every", "0",
-                       *kind_args(kind, args.teacher, args.coef))
-    if kind != "rl":
-        cmd[cmd.index("--nproc-per-node") + 1] = "3"          # + the teacher rank (run.sh counts the same)
+                       "--batch-groups", str(args.batch_groups), "--save-every", "0", *train_args)
+    cmd[cmd.index("--nproc-per-node") + 1] = str(nproc)
     t0 = time.monotonic()
-    rows = run_to_end(cmd, out, f"distill_study {kind} ratio {ratio} seed {seed}", timeout_s=args.timeout_s)
+    rows = run_to_end(cmd, out, f"{who} {kind} ratio {ratio} seed {seed}", timeout_s=args.timeout_s)
     wall = time.monotonic() - t0
     key = f"eval_mean_at_{args.eval_k}"
     clock = [0.0]                  # seconds of training until each version (the weights after k steps)
@@ -77,7 +83,9 @@ def run(kind: str, ratio: int, seed: int, args, out_root: Path) -> dict:
             else None,
             "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
             "staleness_max": max(r["staleness_max"] for r in rows),
-            "reward": [r["reward_mean"] for r in rows]}
+            "reward": [r["reward_mean"] for r in rows],
+            **{k: [r.get(k) for r in rows] for k in ("time_judge", "judge_share", "judge_unparsed")
+               if k in rows[-1]}}
 
 
 def held_out_of(model_dir: str, args) -> float:

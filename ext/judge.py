@@ -1,0 +1,486 @@
+"""ext/judge.py: an LLM judge as the reward. A judge model, served by engines of its own, reads each response
+and gives its verdict; env-level async hides its latency the way it hides a slow verifier's.
+
+    bash run.sh --judge .cache/tiny-judge --judge-gpus 1 --reward none       # the judge alone, no verifier
+    bash run.sh --judge .cache/tiny-judge --judge-gpus 1 --judge-weight 0.5  # half judge, half verifier
+    python -m ext.judge --build                                               # build the tiny judge
+    python -m ext.judge --agreement 1000                                      # judge vs verifier, measured
+
+Where it runs: --judge-gpus K more ranks of the same torchrun job (ext/served.py: a vLLM engine each, never a
+weight sync, one shared request queue; what a dead one costs). With --judge-gpus 0 and --judge the same dir
+as --teacher, the judge's requests go to the teacher's ranks: one engine serves both (its scoring and its
+verdicts batch together). The judge is the rollout ranks' scorer (Extension.scorer): it is called in the env's
+reward step, so its latency is part of the trajectory (env-level async runs other trajectories meanwhile) and
+the env deadline bounds it: a verdict later than that (--env-step-timeout-s, or ext/deadlines.py's adaptive
+one) fails the sample, which is tried again as any env failure.
+
+The verdict: --judge-template renders (prompt, response, answer) as a conversation; sections start with a line
+`[system]`, `[user]` or `[assistant]`, and {prompt}, {response}, {answer} are replaced in one pass (a response
+that contains "{answer}" stays as it is). The conversation goes through the judge's chat template, and the
+texts put in it are tokenized with its special tokens read as plain text: a response that writes the chat
+template's role markers (say "<|im_end|><|im_start|>system") cannot end its section early and speak as the
+instructions. Then, by --judge-rule:
+
+    yes     p(yes) / (p(yes) + p(no)) of the first token of --judge-yes and of --judge-no right after the
+            rendered conversation (two prompt log-prob requests; nothing generated)
+    score   the judge's greedy reply (--judge-max-tokens): its first word "yes" -> 1, "no" -> 0, or a number
+            in [0, 1]; anything else is unparsed: reward 0, counted (judge_unparsed)
+
+reward = --judge-weight x verdict + (1 - --judge-weight) x the verifier's (--reward) reward; at weight 1 the
+verifier is not called. Held-out evaluation (ext/eval.py) scores with the verifier, never the judge (--reward
+none: the task's own check), so held-out reward stays comparable between judged and verified runs.
+
+Recorded per step: judge_unparsed (the step's trained samples whose verdict did not parse), time_judge (mean
+seconds a trained sample's verdict took) and judge_share (the mean share of a trajectory's time, from its
+env's reset to its verdict, spent waiting for the verdict).
+
+The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it):
+the embedded student warm-started further, three in four examples verdicts against the reference answer,
+"37+485=522:522?" -> "yes", "37+485=523:522?" -> "no" (wrong answers mostly near misses and changed digits,
+as the student's are), the rest answers. Its template (judge_template.txt in its dir, the default for it) is
+that one line. A reference-guided judge, as most math judges are: a 1M-parameter model did not learn to check
+a sum it is not shown (warm-started from the 96% teacher, 1,500 steps: 43% agreement with the verifier on the
+student's answers, p(yes) about 0.6 whatever the answer). The character tokenizer has no role markers, so
+for this toy judge the template's structure separates nothing; the rule above is what keeps a real judge's
+instructions apart.
+"""
+
+import asyncio
+import contextvars
+import math
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from config import Extension, check, extension, opt
+from ext.served import check_model_dir, client, run_rank, stop
+from rollout import EnvFailure
+
+NAME = "judge"               # its served ranks' queues (ext/served.py)
+ROOT = Path(__file__).resolve().parent.parent
+TINY_JUDGE = ROOT / ".cache" / "tiny-judge"
+TEMPLATE_FILE = "judge_template.txt"         # in a judge's dir: its default template
+DEFAULT_TEMPLATE = """[system]
+You grade answers to problems. Read the problem, the reference answer and a response, then reply with one
+word: yes if the response's final answer is correct, no if it is not.
+[user]
+Problem:
+{prompt}
+
+Reference answer:
+{answer}
+[user]
+Response:
+{response}
+[user]
+Is the response's final answer correct? Reply yes or no.
+"""
+ROLES = ("system", "user", "assistant")
+# what the reward step learned about the sample it scored, for its sample finisher (the same asyncio task):
+# when the env was reset, whether the verdict parsed, the judge's seconds
+VERDICT: contextvars.ContextVar[dict] = contextvars.ContextVar("judge_verdict")
+
+
+@dataclass
+class JudgeConfig:
+    judge: str = opt("", "an LLM judge as the reward: a model dir whose verdict on each response is its "
+                         "reward (--judge-rule, --judge-weight); empty = off")
+    judge_gpus: int = opt(0, "ranks after the rollout ranks that serve --judge (a vLLM engine each); 0 with "
+                             "--judge the same dir as --teacher: the teacher's ranks serve it")
+    judge_template: str = opt("", "a text file: the conversation the judge reads ([system]/[user]/"
+                                  "[assistant] sections; {prompt}, {response}, {answer}); default: the "
+                                  f"judge dir's {TEMPLATE_FILE}, else a built-in one that asks for yes or no")
+    judge_rule: str = opt("yes", "yes: the probability of --judge-yes against --judge-no; score: the greedy "
+                                 "reply's yes/no or number in [0, 1] (unparsed: 0, counted)")
+    judge_yes: str = opt("yes", "the verdict word for a correct response (its first token is read)")
+    judge_no: str = opt("no", "the verdict word for a wrong response")
+    judge_max_tokens: int = opt(8, "--judge-rule score: the judge's reply budget (greedy)")
+    judge_weight: float = opt(1.0, "reward = this x the verdict + (1 - this) x the verifier's reward")
+    judge_timeout_s: float = opt(20.0, "a verdict that takes longer fails the sample (and it is tried "
+                                       "again); the env deadline bounds it too")
+
+    def __post_init__(self):
+        check(self, at_least=dict(judge_gpus=0, judge_weight=0, judge_max_tokens=1),
+              at_most=dict(judge_weight=1), above=dict(judge_timeout_s=0),
+              one_of=dict(judge_rule=("yes", "score")))
+        if self.judge_gpus and not self.judge:
+            raise ValueError(f"--judge-gpus {self.judge_gpus} without --judge: ranks need a judge to serve")
+
+
+# ---------------------------------------------------------------------------------------------
+# the template and the verdict
+
+
+def read_template(path: str, where: str) -> list[tuple[str, str]]:
+    """A template file as [(role, text with placeholders)] ("<default>": DEFAULT_TEMPLATE), refused by name
+    when it has no section, a role not in ROLES, or no {response}."""
+    return read_template_text(Path(path).read_text() if path != "<default>" else DEFAULT_TEMPLATE, where)
+
+
+def read_template_text(text: str, where: str = "the template") -> list[tuple[str, str]]:
+    sections, role = [], None
+    for line in text.splitlines(keepends=True):
+        m = re.fullmatch(r"\[(\w+)\]\s*", line)
+        if m:
+            if m.group(1) not in ROLES:
+                raise ValueError(f"{where}: section [{m.group(1)}]: a role is one of {', '.join(ROLES)}")
+            role = m.group(1)
+            sections.append([role, ""])
+        elif role is None:
+            if line.strip():
+                raise ValueError(f"{where}: text before the first section line ([system], [user], ...)")
+        else:
+            sections[-1][1] += line
+    if not sections:
+        raise ValueError(f"{where}: no section: start one with a line [user]")
+    if not any("{response}" in t for _, t in sections):
+        raise ValueError(f"{where}: no {{response}} in it: the judge would never see the response")
+    return [(r, t.rstrip("\n")) for r, t in sections]
+
+
+def fill(sections: list[tuple[str, str]], prompt: str, response: str, answer: str) -> list[dict]:
+    """The conversation: every placeholder replaced in one pass (what is put in is never read again)."""
+    values = {"prompt": prompt, "response": response, "answer": answer}
+    return [{"role": r, "content": re.sub(r"\{(prompt|response|answer)\}", lambda m: values[m.group(1)], t)}
+            for r, t in sections]
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation through the judge's chat template, as token ids: the template's own text with its
+    special tokens, each message's text with special tokens read as plain text (so a message cannot write a
+    role marker). Without a chat template: the messages' texts one after another."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(m["content"] for m in messages)
+    ids, at = [], 0
+    for m in messages:
+        start = text.find(m["content"], at)
+        if start < 0:
+            raise ValueError(f"the judge's chat template changed a message's text "
+                             f"({m['content'][:40]!r}...): cannot keep it apart from the template's markers")
+        ids += markup(tokenizer, text[at:start]) + plain(tokenizer, m["content"])
+        at = start + len(m["content"])
+    return ids + markup(tokenizer, text[at:])
+
+
+def markup(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def plain(tokenizer, text: str) -> list[int]:
+    """Text whose special-token strings stay text (tokenizers' split_special_tokens)."""
+    if not text:
+        return []
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    special = set(tokenizer.all_special_ids) & set(ids)
+    if special:          # (a tokenizer that ignores split_special_tokens: refuse rather than be steered)
+        raise ValueError(f"the judge's tokenizer read special tokens {sorted(special)} in a text")
+    return ids
+
+
+def parse_verdict(reply: str, yes: str = "yes", no: str = "no") -> float | None:
+    """--judge-rule score: the reply's first word: yes -> 1, no -> 0, a number in [0, 1] -> it; else None."""
+    m = re.match(r"\s*([A-Za-z]+|\d*\.?\d+)", reply)
+    if not m:
+        return None
+    word = m.group(1).lower()
+    if word == yes.lower():
+        return 1.0
+    if word == no.lower():
+        return 0.0
+    try:
+        x = float(word)
+    except ValueError:
+        return None
+    return x if 0 <= x <= 1 else None
+
+
+def yes_probability(logp_yes: float, logp_no: float) -> float:
+    """p(yes) / (p(yes) + p(no)), from the two tokens' log-probs."""
+    return 1 / (1 + math.exp(logp_no - logp_yes))
+
+
+# ---------------------------------------------------------------------------------------------
+# a rollout rank's side: the scorer, and the finisher that records what the reward step learned
+
+
+class JudgeScorer:
+    """The rollout rank's scorer (Extension.scorer): async score(problem, response) -> reward."""
+
+    def __init__(self, transport, rank: int, part: JudgeConfig, template_path: str, verifier,
+                 startup_s: float, name: str, num_ranks: int):
+        from transformers import AutoTokenizer
+        self.rank, self.judges = rank, client(transport, rank, name, num_ranks, startup_s)
+        from rollout import inline_reward
+        self.part, self.verifier = part, verifier
+        self.held_out = inline_reward(verifier)         # (held-out evaluation: env_manager.EnvManager)
+        self.tokenizer = AutoTokenizer.from_pretrained(part.judge)
+        self.sections = read_template(template_path, f"--judge-template {template_path}")
+        self.yes_no = [plain(self.tokenizer, w)[0] for w in (part.judge_yes, part.judge_no)]
+        if self.yes_no[0] == self.yes_no[1]:
+            raise ValueError(f"--judge-yes {part.judge_yes!r} and --judge-no {part.judge_no!r} start with "
+                             f"the same token of the judge's tokenizer: their probabilities cannot be told "
+                             f"apart")
+        self.unparsed = self.calls = 0
+
+    async def verdict(self, problem, response: str) -> tuple[float, bool]:
+        """(the judge's verdict in [0, 1], whether it parsed)."""
+        ids = render(self.tokenizer, fill(self.sections, problem.prompt, response, problem.answer))
+        where, limit = f"rollout rank {self.rank}: the judge's verdict", self.part.judge_timeout_s
+        if self.part.judge_rule == "yes":
+            lps = await asyncio.gather(*[self.judges.ask("score", ids + [t], None, limit, where)
+                                         for t in self.yes_no])
+            return yes_probability(lps[0][-1], lps[1][-1]), True
+        reply = await self.judges.ask("generate", ids, self.part.judge_max_tokens, limit, where)
+        v = parse_verdict(self.tokenizer.decode(reply, skip_special_tokens=True), self.part.judge_yes,
+                          self.part.judge_no)
+        return (0.0, False) if v is None else (v, True)
+
+    async def score(self, problem, response: str) -> float:
+        t0, w = time.monotonic(), self.part.judge_weight
+        try:
+            v, parsed = await self.verdict(problem, response)
+        except EnvFailure as e:
+            raise EnvFailure(f"{e} (--judge-timeout-s)" if e.timeout else str(e), timeout=e.timeout) from None
+        self.calls += 1
+        self.unparsed += not parsed
+        state = VERDICT.get(None)
+        if state is not None:
+            state.update(parsed=parsed, seconds=time.monotonic() - t0)
+        return w * v + (1 - w) * self.verifier(problem, response) if w < 1 else v
+
+    def stats(self) -> dict:
+        return {"judge_calls": self.calls, "judge_unparsed": self.unparsed}
+
+    def shutdown(self):
+        pass
+
+
+class JudgedEnv:
+    """Every env on a judged rank (Extension.env_wrapper): its reset starts the sample's record (VERDICT),
+    so its finisher knows the trajectory's time."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    async def reset(self, seed: int):
+        VERDICT.set({"t0": time.monotonic()})
+        return await self.env.reset(seed)
+
+    async def step(self, action: str):
+        return await self.env.step(action)
+
+
+async def finish(s):
+    """(the sample finisher) What the reward step learned, into the sample: its verdict's parse, seconds and
+    share of the trajectory's time."""
+    state = VERDICT.get(None)
+    if not state or "seconds" not in state:
+        return
+    s.meta.update(judge_unparsed=not state["parsed"], judge_s=state["seconds"],
+                  judge_share=state["seconds"] / max(time.monotonic() - state["t0"], 1e-9))
+
+
+def judge_metrics(batch) -> dict:
+    judged = [s for s in batch if "judge_s" in s.meta]
+    if not judged:
+        return {}
+    return {"judge_unparsed": sum(s.meta["judge_unparsed"] for s in judged),
+            "time_judge": sum(s.meta["judge_s"] for s in judged) / len(judged),
+            "judge_share": sum(s.meta["judge_share"] for s in judged) / len(judged)}
+
+
+@extension
+class Judge(Extension):
+    name, Config = "judge", JudgeConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return bool(part.judge)
+
+    @classmethod
+    def configure(cls, cfg, part):
+        check_model_dir("--judge", part.judge, "python -m ext.judge --build"
+                        if part.judge.rstrip("/").endswith("tiny-judge") else "")
+        teacher = cfg.ext["distill"].teacher if "distill" in cfg.ext else ""
+        if not part.judge_gpus and not (teacher and Path(teacher).resolve() == Path(part.judge).resolve()):
+            raise ValueError(f"--judge {part.judge} needs --judge-gpus K (ranks to serve it), or --teacher "
+                             f"the same dir (its ranks serve both)")
+        read_template(cls.template(part), f"--judge-template {cls.template(part)}")
+        if cfg.ext["verifiers"].reward_workers > 0:
+            raise ValueError("--judge with --reward-workers: the judge is the rollout ranks' scorer and "
+                             "calls the verifier itself; leave --reward-workers at its default")
+
+    @staticmethod
+    def template(part) -> str:
+        if part.judge_template:
+            if not Path(part.judge_template).is_file():
+                raise ValueError(f"--judge-template {part.judge_template}: no such file")
+            return part.judge_template
+        own = Path(part.judge) / TEMPLATE_FILE
+        return str(own) if own.is_file() else "<default>"
+
+    def served(self) -> tuple[str, int]:
+        """The queue name and ranks that serve the judge: its own, or the teacher's."""
+        if self.part.judge_gpus:
+            return NAME, self.part.judge_gpus
+        return "teacher", self.cfg.ext["distill"].teacher_gpus
+
+    def extra_ranks(self) -> int:
+        return self.part.judge_gpus
+
+    def run_extra_rank(self, index: int, device: str, engine_core: str, buffer_addr: tuple, state):
+        run_rank(self.cfg, self.part.judge, NAME, index, device, engine_core, buffer_addr)
+
+    def startup_lines(self, model_dir: str, device: str):
+        name, k = self.served()
+        return (f"judge: {self.part.judge} on {k} {name} rank(s), rule {self.part.judge_rule}, weight "
+                f"{self.part.judge_weight}, template {self.template(self.part)}")
+
+    def scorer(self, index: int, buffer):
+        from task import load_reward
+        name, k = self.served()
+        reward = self.cfg.rollout.reward
+        return JudgeScorer(buffer.transport, index, self.part, self.template(self.part),
+                           load_reward("" if reward == "none" else reward),
+                           self.cfg.controller.startup_timeout_s, name, k)
+
+    def env_wrapper(self, index: int):
+        return JudgedEnv
+
+    def sample_finisher(self, index: int, buffer):
+        return finish
+
+    def on_controller(self, ctrl, state):
+        self.ctrl = ctrl
+
+    async def after_step(self, ctrl, step: int, final: bool) -> dict:
+        return judge_metrics(ctrl.batch)
+
+    def step_line(self, row: dict) -> str | None:
+        return (f"judge {row['time_judge']:.2f}s ({row['judge_share']:.0%}) unparsed {row['judge_unparsed']}"
+                if "time_judge" in row else None)
+
+    def on_finish(self):
+        if self.part.judge_gpus:
+            stop(self.ctrl, NAME, self.part.judge_gpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded judge, and its agreement with the verifier
+
+
+def wrong_answer(rng: random.Random, answer: str) -> str:
+    """A plausible wrong answer, mostly as the student errs: a near miss or a changed digit; else a dropped or
+    repeated digit, another number, nothing."""
+    n, kind = int(answer), rng.choices(range(6), weights=(8, 6, 2, 2, 1, 1))[0]
+    if kind == 0:
+        step = rng.choice([1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 100])
+        out = str(max(0, n + rng.choice([-1, 1]) * step))
+    elif kind == 1:
+        i = rng.randrange(len(answer))
+        out = answer[:i] + str(rng.randrange(10)) + answer[i + 1:]
+    elif kind == 2 and len(answer) > 1:
+        i = rng.randrange(len(answer))
+        out = answer[:i] + answer[i + 1:]
+    elif kind == 3:
+        i = rng.randrange(len(answer))
+        out = answer[:i] + answer[i] + answer[i:]
+    elif kind == 4:
+        out = str(rng.randrange(10 ** len(answer)))
+    else:
+        out = ""
+    return out if out != answer else answer + str(rng.randrange(10))
+
+
+# the tiny judge's conversation: the problem, the response, the reference answer ("37+485=523:522?"), one turn
+TINY_TEMPLATE = "[user]\n{prompt}{response}:{answer}?\n"
+
+
+def judge_examples(seed: int = 0):
+    """The tiny judge's warm-start verdicts: tool(problem) -> segments for tiny_model.ensure_tiny_model, half
+    right answers ("yes"), half wrong ones ("no"), rendered by TINY_TEMPLATE."""
+    rng = random.Random(seed)
+    sections = read_template_text(TINY_TEMPLATE)
+
+    def example(p):
+        right = rng.random() < 0.5
+        shown = p.answer if right else wrong_answer(rng, p.answer)
+        text = "".join(m["content"] for m in fill(sections, p.prompt, shown, p.answer))
+        return [(text, False), ("yes" if right else "no", True)]
+    return example
+
+
+def ensure_tiny_judge(log=print) -> Path:
+    """Build (or reuse) .cache/tiny-judge: the embedded student warm-started 1,500 steps more, three in four
+    examples verdicts, the rest answers."""
+    import tiny_model
+    tiny_model.ensure_tiny_model(log=log)
+    cfg = tiny_model.TinyConfig(seed=3, sft_steps=1500, tool_frac=0.75, init_from=tiny_model.DEFAULT_DIR.name)
+    path = tiny_model.ensure_tiny_model(TINY_JUDGE, cfg, log=log, tool=judge_examples(3))
+    if not (path / TEMPLATE_FILE).exists():
+        (path / TEMPLATE_FILE).write_text(TINY_TEMPLATE)
+    return path
+
+
+def agreement(judge_dir: str, n: int, rule: str = "yes") -> dict:
+    """The judge against the verifier on n held-out (problem, response) pairs, the responses the embedded
+    student samples (temperature 1): agreement and the confusion table, the verdict thresholded at 0.5."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import task
+    import tiny_model
+    student_dir = tiny_model.ensure_tiny_model()
+    stok = AutoTokenizer.from_pretrained(student_dir)
+    student = AutoModelForCausalLM.from_pretrained(student_dir).float().eval()
+    problems = task.make_problems(n, seed=2_000_003)
+    torch.manual_seed(0)
+    responses = []
+    for i in range(0, n, 256):                   # sampled answers, as training sees them
+        chunk = problems[i:i + 256]
+        prompts = [stok.encode(p.prompt) for p in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        attn = (ids != 0).long()
+        with torch.no_grad():
+            out = student.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0,
+                                   top_k=0, max_new_tokens=8, eos_token_id=stok.eos_token_id, pad_token_id=0)
+        responses += [stok.decode(o[width:], skip_special_tokens=True) for o in out]
+    jtok = AutoTokenizer.from_pretrained(judge_dir)
+    judge = AutoModelForCausalLM.from_pretrained(judge_dir).float().eval()
+    part = JudgeConfig(judge=judge_dir, judge_gpus=1, judge_rule=rule)
+    sections = read_template(Judge.template(part), "template")
+    yes, no = (plain(jtok, w)[0] for w in ("yes", "no"))
+    table = {"tp": 0, "fp": 0, "tn": 0, "fn": 0}
+    for p, r in zip(problems, responses):
+        ids = torch.tensor([render(jtok, fill(sections, p.prompt, r, p.answer))])
+        with torch.no_grad():
+            logp = judge(ids).logits[0, -1].log_softmax(-1)
+        says = yes_probability(logp[yes].item(), logp[no].item()) >= 0.5
+        right = task.reward(p, r) > 0
+        table[("t" if says == right else "f") + ("p" if says else "n")] += 1
+    return {"pairs": n, "agreement": (table["tp"] + table["tn"]) / n,
+            "verifier_correct": sum(task.reward(p, r) > 0 for p, r in zip(problems, responses)) / n, **table}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true", help="build (or reuse) .cache/tiny-judge")
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--agreement", type=int, default=0, help="pairs to measure the judge against the "
+                                                             "verifier")
+    ap.add_argument("--judge", default=str(TINY_JUDGE))
+    args = ap.parse_args()
+    if args.build or args.judge == str(TINY_JUDGE):
+        ensure_tiny_judge(log=(lambda *a: None) if args.quiet else print)
+    if args.agreement:
+        print(json.dumps(agreement(args.judge, args.agreement)))

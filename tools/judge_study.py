@@ -1,0 +1,121 @@
+"""judge_study.py: an LLM judge as the reward (ext/judge.py), measured on the real system, side by side.
+
+    .venv/bin/python -m tools.judge_study                   # everything below (~25 min on 2 cores)
+    .venv/bin/python -m tools.judge_study --seeds 0 --steps 6 --pairs 100     # a quick look
+
+The embedded student (.cache/tiny-qwen2) and judge (.cache/tiny-judge, built on first use), every run
+`torchrun train.py` (1 trainer, 1 rollout rank, and with the judge 1 judge rank: real vLLM engines), the
+same steps, batch and seeds (tools/distill_study.job):
+
+1. The judge against the verifier on --pairs held-out (problem, response) pairs, the responses the student
+   samples at temperature 1: agreement and the confusion table (the verdict p(yes) / (p(yes) + p(no))
+   thresholded at 0.5; ext.judge.agreement).
+2. Training with the judge's reward alone (--reward none: no verifier) against the verifier's, async ratio
+   2: held-out reward per step, scored by the verifier in both (ext/eval.py; env_manager's eval_reward_fn).
+3. With the judge on, async ratio 2 against 0: seconds per step, the seconds a sample's verdict took, and
+   the verdict's share of a trajectory's time (from its env's reset to its verdict, judge_share): the share
+   env-level async has to hide behind other trajectories' generation.
+
+Writes results/judge.json (every run's rows) and results/judge.md (the tables).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tools.distill_study import curve, job, mean
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tables(res: dict) -> str:
+    a, runs, ag = res["args"], res["runs"], res["agreement"]
+
+    def by(kind, ratio):
+        return [r for r in runs if r["kind"] == kind and r["ratio"] == ratio]
+    lines = [f"Command: `{res['command']}` ({a['steps']} steps of {a['batch_groups']}x8, seeds {a['seeds']}, "
+             f"held-out mean@{a['eval_k']} over {a['eval_prompts']} problems every {a['eval_every']} steps; "
+             f"{res['date']}).", "",
+             f"### 1. The judge against the verifier ({ag['pairs']} held-out pairs, the student's answers)",
+             "",
+             "| agreement | verifier says right | judge yes, verifier right | judge yes, verifier wrong | "
+             "judge no, verifier wrong | judge no, verifier right |", "|---|---|---|---|---|---|",
+             f"| {ag['agreement']:.1%} | {ag['verifier_correct']:.1%} | {ag['tp']} | {ag['fp']} | "
+             f"{ag['tn']} | {ag['fn']} |", ""]
+    kinds = [k for k in ("verifier", "judge") if by(k, 2)]
+    if kinds:
+        steps = [s for s, _, _ in curve(by(kinds[0], 2))]
+        lines += [f"### 2. Held-out reward (the verifier's) per step, trained on each reward (ratio 2, mean "
+                  f"of {len(a['seeds'])} seeds)", "",
+                  "| reward trained on | " + " | ".join(f"step {s}" for s in steps) + " | s/step |",
+                  "|---" * (len(steps) + 2) + "|"]
+        for k in kinds:
+            lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for _, _, v in curve(by(k, 2)))
+                         + f" | {mean(r['s_per_step'] for r in by(k, 2)):.2f} |")
+        lines.append("")
+    rows = [(ratio, by("judge", ratio)) for ratio in (2, 0) if by("judge", ratio)]
+    if rows:
+        lines += ["### 3. The judge's latency, async ratio 2 against 0", "",
+                  "| ratio | runs | s/step | a verdict's seconds | its share of a trajectory | unparsed |",
+                  "|---|---|---|---|---|---|"]
+        for ratio, rs in rows:
+            lines.append(f"| {ratio} | {len(rs)} | {mean(r['s_per_step'] for r in rs):.2f} | "
+                         f"{mean(mean(r['time_judge']) for r in rs):.3f} | "
+                         f"{mean(mean(r['judge_share']) for r in rs):.0%} | "
+                         f"{sum(sum(r['judge_unparsed']) for r in rs)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--ratio0-seeds", default="0", help="seeds of the judged runs at async ratio 0")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-groups", type=int, default=16, help="prompts per step (x 8 samples)")
+    ap.add_argument("--pairs", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--eval-k", type=int, default=2)
+    ap.add_argument("--judge", default=str(ROOT / ".cache" / "tiny-judge"))
+    ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
+    ap.add_argument("--runs-dir", default="/tmp/judge_study", help="the runs' out dirs and logs")
+    ap.add_argument("--out", default=str(ROOT / "results" / "judge"), help="writes OUT.json, OUT.md")
+    args = ap.parse_args()
+    from ext.judge import TINY_JUDGE, agreement, ensure_tiny_judge
+    if args.judge == str(TINY_JUDGE):
+        ensure_tiny_judge()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds0 = [int(s) for s in args.ratio0_seeds.split(",") if s]
+    judged = ["--judge", args.judge, "--judge-gpus", "1", "--reward", "none"]
+    plan = ([("verifier", [], 2, 2, s) for s in seeds] + [("judge", judged, 3, 2, s) for s in seeds]
+            + [("judge", judged, 3, 0, s) for s in seeds0])
+    out_root = Path(args.runs_dir)
+    out_root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    ag = agreement(args.judge, args.pairs)
+    print(f"judge_study: agreement {ag['agreement']:.1%} on {args.pairs} pairs "
+          f"({time.monotonic() - t0:.0f}s); {len(plan)} runs of {args.steps} steps", flush=True)
+    runs = []
+    for i, (kind, train_args, nproc, ratio, seed) in enumerate(plan):
+        t0 = time.monotonic()
+        runs.append(job(kind, train_args, nproc, ratio, seed, args, out_root, "judge_study"))
+        r = runs[-1]
+        print(f"  [{i + 1}/{len(plan)}] {kind} ratio {ratio} seed {seed}: {time.monotonic() - t0:.0f}s, "
+              f"{r['s_per_step']:.2f} s/step, held-out {[round(e[2], 3) for e in r['evals']]}, train reward "
+              f"{mean(r['reward'][:5]):.3f} -> {mean(r['reward'][-5:]):.3f}", flush=True)
+    res = {"command": "python -m tools.judge_study" + "".join(
+               f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+               if v != ap.get_default(k) and k not in ("runs_dir", "out")),
+           "date": time.strftime("%Y-%m-%d"), "args": {**vars(args), "seeds": seeds}, "agreement": ag,
+           "runs": runs}
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = tables(res)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
