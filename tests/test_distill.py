@@ -190,3 +190,23 @@ def test_distillation_alone_under_torchrun_lowers_the_students_kl_to_its_teacher
     assert sum(kl[-4:]) < 0.9 * sum(kl[:4]), kl
     assert "teacher_kl" in (out.with_suffix(".log")).read_text() and all(r["time_teacher"] > 0 for r in rows)
     assert json.loads((out / "rollout_stats.json").read_text())
+
+
+@pytest.mark.engine
+def test_distill_study_writes_its_three_tables(tmp_path, tiny_model_dir, distill_teacher):
+    """tools/distill_study.py at tiny settings (2 steps a run, one seed, ratios 2 and 0): every kind's runs,
+    the held-out reward of the teacher and the student, the teacher's scoring time, and the three tables."""
+    from toolrun import run_tool
+    out = tmp_path / "distill"
+    printed = run_tool("tools.distill_study", [
+        "--ratios", "2,0", "--seeds", "0", "--steps", "2", "--batch-groups", "4", "--eval-every", "2",
+        "--eval-prompts", "8", "--teacher", str(distill_teacher), "--runs-dir", str(tmp_path / "runs"),
+        "--out", str(out)])
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["kind"], r["ratio"]) for r in res["runs"]] == [("rl", 2), ("distill", 2), ("both", 2),
+                                                               ("distill", 0)]
+    assert all(r["evals"] and r["evals"][-1][0] == 2 for r in res["runs"])          # the final weights'
+    assert all(len([k for k in r["teacher_kl"] if k is not None]) == 2 for r in res["runs"][1:])
+    assert 0 <= res["student_held_out"] <= 1 and 0 <= res["teacher_held_out"] <= 1 and res["score_s"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert md in printed and all(f"### {i}." in md for i in (1, 2, 3)) and out.with_suffix(".png").exists()

@@ -248,3 +248,24 @@ def judge_dir() -> Path:
                                         tool=judge_examples(3))
     (path / TEMPLATE_FILE).write_text(TINY_TEMPLATE)
     return path
+
+
+@pytest.mark.engine
+def test_judge_study_writes_its_tables(tmp_path, tiny_model_dir, judge_dir):
+    """tools/judge_study.py at tiny settings (2 steps a run, one seed, 40 pairs): the agreement and its
+    confusion table, the judged and verified runs' held-out reward, the judge's latency at ratios 2 and 0."""
+    import json
+
+    from toolrun import run_tool
+    out = tmp_path / "judge"
+    printed = run_tool("tools.judge_study", [
+        "--seeds", "0", "--ratio0-seeds", "0", "--steps", "2", "--batch-groups", "4", "--pairs", "40",
+        "--eval-every", "2", "--eval-prompts", "8", "--judge", str(judge_dir),
+        "--runs-dir", str(tmp_path / "runs"), "--out", str(out)])
+    res = json.loads(out.with_suffix(".json").read_text())
+    ag = res["agreement"]
+    assert ag["pairs"] == 40 == ag["tp"] + ag["fp"] + ag["tn"] + ag["fn"]
+    assert [(r["kind"], r["ratio"]) for r in res["runs"]] == [("verifier", 2), ("judge", 2), ("judge", 0)]
+    assert all(len(r["time_judge"]) == 2 and all(t > 0 for t in r["time_judge"]) for r in res["runs"][1:])
+    md = out.with_suffix(".md").read_text()
+    assert md in printed and all(f"### {i}." in md for i in (1, 2, 3))

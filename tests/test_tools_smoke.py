@@ -45,7 +45,9 @@ bench_trainer start            | test_tools_smoke.py::test_bench_trainer_cases_o
 bench_weight_sync --before     | test_tools_runs.py::test_bench_weight_sync_transports_and_before
 bench_weight_sync --transports | test_tools_runs.py::test_bench_weight_sync_transports_and_before
 core_lines                     | test_core_lines.py::test_the_tool_counts_every_root_module
+distill_study                  | test_distill.py::test_distill_study_writes_its_three_tables
 gpu_check                      | test_gpu_check.py::test_tiny_mode_runs_every_check_on_cpu_without_vllm
+judge_study                    | test_judge.py::test_judge_study_writes_its_tables
 plot                           | test_plot.py::test_the_command_line_takes_the_run_dir
 plot --compare                 | test_plot.py::test_plot_writes_the_pngs_with_their_panels
 profile_step                   | test_tools_smoke.py::test_profile_step_splits_each_process_over_its_phases
