@@ -1,6 +1,6 @@
 """distill_study.py: on-policy distillation (ext/distill.py) measured on the real system, side by side.
 
-    .venv/bin/python -m tools.distill_study                  # everything below (~35 min on 2 cores)
+    .venv/bin/python -m tools.distill_study                  # everything below (~40 min on 2 cores)
     .venv/bin/python -m tools.distill_study --kinds distill --ratios 2 --seeds 0 --steps 6   # a quick look
 
 Every run is `torchrun train.py` (1 trainer, 1 rollout rank, and with a teacher 1 teacher rank: real vLLM
