@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from config import Extension, check, extension, opt
 from ext.served import check_model_dir, client, run_rank, stop
 from losses import ADV_SHAPERS, loss
-from rollout import EnvFailure
 
 NAME = "teacher"      # its served ranks' queues (ext/served.py): "teacher", "teacher<r>", "teacher_ready<r>"
 
@@ -93,13 +92,9 @@ class TeacherClient:
             return
         t0 = time.monotonic()
         where = f"rollout rank {self.rank}: task {s.task_id}'s teacher scores"
-        try:        # [len(ids) - 1]: each token after the first, given the rest
-            logprobs = await self.teachers.ask("score", s.prompt_ids + s.response_ids, None, self.timeout_s,
-                                               where)
-        except EnvFailure as e:
-            if e.timeout:
-                raise EnvFailure(f"{e} (--teacher-timeout-s)", timeout=True) from None
-            raise
+        # [len(ids) - 1]: each token after the first, given the rest
+        logprobs = await self.teachers.ask("score", s.prompt_ids + s.response_ids, None, self.timeout_s,
+                                           where, "--teacher-timeout-s")
         answer = logprobs[len(s.prompt_ids) - 1:]                   # the response's tokens
         s.token_fields["teacher_logp"] = [lp for lp, m in zip(answer, s.loss_mask) if m]
         s.meta["teacher_s"] = time.monotonic() - t0

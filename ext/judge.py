@@ -4,7 +4,6 @@ and gives its verdict; env-level async hides its latency the way it hides a slow
     bash run.sh --judge .cache/tiny-judge --judge-gpus 1 --reward none       # the judge alone, no verifier
     bash run.sh --judge .cache/tiny-judge --judge-gpus 1 --judge-weight 0.5  # half judge, half verifier
     python -m ext.judge --build                                               # build the tiny judge
-    python -m ext.judge --agreement 1000                                      # judge vs verifier, measured
 
 Where it runs: --judge-gpus K more ranks of the same torchrun job (ext/served.py: a vLLM engine each, never a
 weight sync, one shared request queue; what a dead one costs). With --judge-gpus 0 and --judge the same dir
@@ -56,7 +55,6 @@ from pathlib import Path
 
 from config import Extension, check, extension, opt
 from ext.served import check_model_dir, client, run_rank, stop
-from rollout import EnvFailure
 
 NAME = "judge"               # its served ranks' queues (ext/served.py)
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,20 +229,18 @@ class JudgeScorer:
         ids = render(self.tokenizer, fill(self.sections, problem.prompt, response, problem.answer))
         where, limit = f"rollout rank {self.rank}: the judge's verdict", self.part.judge_timeout_s
         if self.part.judge_rule == "yes":
-            lps = await asyncio.gather(*[self.judges.ask("score", ids + [t], None, limit, where)
-                                         for t in self.yes_no])
+            lps = await asyncio.gather(*[self.judges.ask("score", ids + [t], None, limit, where,
+                                                         "--judge-timeout-s") for t in self.yes_no])
             return yes_probability(lps[0][-1], lps[1][-1]), True
-        reply = await self.judges.ask("generate", ids, self.part.judge_max_tokens, limit, where)
+        reply = await self.judges.ask("generate", ids, self.part.judge_max_tokens, limit, where,
+                                      "--judge-timeout-s")
         v = parse_verdict(self.tokenizer.decode(reply, skip_special_tokens=True), self.part.judge_yes,
                           self.part.judge_no)
         return (0.0, False) if v is None else (v, True)
 
     async def score(self, problem, response: str) -> float:
         t0, w = time.monotonic(), self.part.judge_weight
-        try:
-            v, parsed = await self.verdict(problem, response)
-        except EnvFailure as e:
-            raise EnvFailure(f"{e} (--judge-timeout-s)" if e.timeout else str(e), timeout=e.timeout) from None
+        v, parsed = await self.verdict(problem, response)
         self.calls += 1
         self.unparsed += not parsed
         state = VERDICT.get(None)
@@ -373,7 +369,7 @@ class Judge(Extension):
 
 
 # ---------------------------------------------------------------------------------------------
-# the embedded judge, and its agreement with the verifier
+# the embedded judge
 
 
 def wrong_answer(rng: random.Random, answer: str) -> str:
@@ -429,58 +425,11 @@ def ensure_tiny_judge(log=print) -> Path:
     return path
 
 
-def agreement(judge_dir: str, n: int, rule: str = "yes") -> dict:
-    """The judge against the verifier on n held-out (problem, response) pairs, the responses the embedded
-    student samples (temperature 1): agreement and the confusion table, the verdict thresholded at 0.5."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import task
-    import tiny_model
-    student_dir = tiny_model.ensure_tiny_model()
-    stok = AutoTokenizer.from_pretrained(student_dir)
-    student = AutoModelForCausalLM.from_pretrained(student_dir).float().eval()
-    problems = task.make_problems(n, seed=2_000_003)
-    torch.manual_seed(0)
-    responses = []
-    for i in range(0, n, 256):                   # sampled answers, as training sees them
-        chunk = problems[i:i + 256]
-        prompts = [stok.encode(p.prompt) for p in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        attn = (ids != 0).long()
-        with torch.no_grad():
-            out = student.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0,
-                                   top_k=0, max_new_tokens=8, eos_token_id=stok.eos_token_id, pad_token_id=0)
-        responses += [stok.decode(o[width:], skip_special_tokens=True) for o in out]
-    jtok = AutoTokenizer.from_pretrained(judge_dir)
-    judge = AutoModelForCausalLM.from_pretrained(judge_dir).float().eval()
-    part = JudgeConfig(judge=judge_dir, judge_gpus=1, judge_rule=rule)
-    sections = read_template(Judge.template(part), "template")
-    yes, no = (plain(jtok, w)[0] for w in ("yes", "no"))
-    table = {"tp": 0, "fp": 0, "tn": 0, "fn": 0}
-    for p, r in zip(problems, responses):
-        ids = torch.tensor([render(jtok, fill(sections, p.prompt, r, p.answer))])
-        with torch.no_grad():
-            logp = judge(ids).logits[0, -1].log_softmax(-1)
-        says = yes_probability(logp[yes].item(), logp[no].item()) >= 0.5
-        right = task.reward(p, r) > 0
-        table[("t" if says == right else "f") + ("p" if says else "n")] += 1
-    return {"pairs": n, "agreement": (table["tp"] + table["tn"]) / n,
-            "verifier_correct": sum(task.reward(p, r) > 0 for p, r in zip(problems, responses)) / n, **table}
-
-
 if __name__ == "__main__":
     import argparse
-    import json
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="build (or reuse) .cache/tiny-judge")
     ap.add_argument("--quiet", action="store_true")
-    ap.add_argument("--agreement", type=int, default=0, help="pairs to measure the judge against the "
-                                                             "verifier")
-    ap.add_argument("--judge", default=str(TINY_JUDGE))
     args = ap.parse_args()
-    if args.build or args.judge == str(TINY_JUDGE):
+    if args.build:
         ensure_tiny_judge(log=(lambda *a: None) if args.quiet else print)
-    if args.agreement:
-        print(json.dumps(agreement(args.judge, args.agreement)))

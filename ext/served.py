@@ -79,9 +79,9 @@ class ServedClient:
         if self.pump is None or self.pump.done():
             self.pump = asyncio.get_running_loop().create_task(self._pump())
 
-    async def ask(self, op: str, ids: list[int], arg, timeout_s: float | None, where: str):
+    async def ask(self, op: str, ids: list[int], arg, timeout_s: float, where: str, flag: str):
         """One request's answer; EnvFailure (named by `where`) when it is too long for the served model's
-        context, does not come within timeout_s (None: the caller bounds it), or the served rank failed it."""
+        context, does not come within timeout_s (the caller's `flag`), or the served rank failed it."""
         await self.start()
         if len(ids) > self.context:
             raise EnvFailure(f"{where}: the sample's {len(ids)} tokens exceed the {self.name}'s context "
@@ -94,8 +94,8 @@ class ServedClient:
             async with asyncio.timeout(timeout_s):
                 answer = await fut
         except TimeoutError:
-            raise EnvFailure(f"{where}: no answer within {timeout_s:.0f}s: a {self.name} rank dead or "
-                             f"overloaded?", timeout=True) from None
+            raise EnvFailure(f"{where}: no answer within {timeout_s:.0f}s ({flag}): a {self.name} rank dead "
+                             f"or overloaded?", timeout=True) from None
         finally:
             self.waiting.pop(rid, None)
         if isinstance(answer, str):

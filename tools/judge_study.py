@@ -9,7 +9,7 @@ same steps, batch and seeds (tools/distill_study.job):
 
 1. The judge against the verifier on --pairs held-out (problem, response) pairs, the responses the student
    samples at temperature 1: agreement and the confusion table (the verdict p(yes) / (p(yes) + p(no))
-   thresholded at 0.5; ext.judge.agreement).
+   thresholded at 0.5; agreement() here).
 2. Training with the judge's reward alone (--reward none: no verifier) against the verifier's, async ratio
    2: held-out reward per step, scored by the verifier in both (ext/eval.py; env_manager's eval_reward_fn).
 3. With the judge on, async ratio 2 against 0: seconds per step, the seconds a sample's verdict took, and
@@ -27,6 +27,48 @@ from pathlib import Path
 from tools.distill_study import curve, job, mean
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def agreement(judge_dir: str, n: int, rule: str = "yes") -> dict:
+    """The judge against the verifier on n held-out (problem, response) pairs, the responses the embedded
+    student samples (temperature 1): agreement and the confusion table, the verdict thresholded at 0.5."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import task
+    import tiny_model
+    from ext.judge import Judge, JudgeConfig, fill, plain, read_template, render, yes_probability
+    student_dir = tiny_model.ensure_tiny_model()
+    stok = AutoTokenizer.from_pretrained(student_dir)
+    student = AutoModelForCausalLM.from_pretrained(student_dir).float().eval()
+    problems = task.make_problems(n, seed=2_000_003)
+    torch.manual_seed(0)
+    responses = []
+    for i in range(0, n, 256):                   # sampled answers, as training sees them
+        chunk = problems[i:i + 256]
+        prompts = [stok.encode(p.prompt) for p in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        attn = (ids != 0).long()
+        with torch.no_grad():
+            out = student.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0,
+                                   top_k=0, max_new_tokens=8, eos_token_id=stok.eos_token_id, pad_token_id=0)
+        responses += [stok.decode(o[width:], skip_special_tokens=True) for o in out]
+    jtok = AutoTokenizer.from_pretrained(judge_dir)
+    judge = AutoModelForCausalLM.from_pretrained(judge_dir).float().eval()
+    part = JudgeConfig(judge=judge_dir, judge_gpus=1, judge_rule=rule)
+    sections = read_template(Judge.template(part), "template")
+    yes, no = (plain(jtok, w)[0] for w in ("yes", "no"))
+    table = {"tp": 0, "fp": 0, "tn": 0, "fn": 0}
+    for p, r in zip(problems, responses):
+        ids = torch.tensor([render(jtok, fill(sections, p.prompt, r, p.answer))])
+        with torch.no_grad():
+            logp = judge(ids).logits[0, -1].log_softmax(-1)
+        says = yes_probability(logp[yes].item(), logp[no].item()) >= 0.5
+        right = task.reward(p, r) > 0
+        table[("t" if says == right else "f") + ("p" if says else "n")] += 1
+    return {"pairs": n, "agreement": (table["tp"] + table["tn"]) / n,
+            "verifier_correct": sum(task.reward(p, r) > 0 for p, r in zip(problems, responses)) / n, **table}
 
 
 def tables(res: dict) -> str:
@@ -83,7 +125,7 @@ def main():
     ap.add_argument("--runs-dir", default="/tmp/judge_study", help="the runs' out dirs and logs")
     ap.add_argument("--out", default=str(ROOT / "results" / "judge"), help="writes OUT.json, OUT.md")
     args = ap.parse_args()
-    from ext.judge import TINY_JUDGE, agreement, ensure_tiny_judge
+    from ext.judge import TINY_JUDGE, ensure_tiny_judge
     if args.judge == str(TINY_JUDGE):
         ensure_tiny_judge()
     seeds = [int(s) for s in args.seeds.split(",")]
