@@ -79,6 +79,7 @@ class EnvManager:
         self.held: collections.deque[RolloutTask] = collections.deque()   # pulled, waiting for free slots
         self.outbox: list[Sample] = []          # finished samples, sent on the manager's next pass
         self.slots_used = 0
+        self.released: collections.Counter[str] = collections.Counter()   # task_id -> its slots freed early
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
@@ -297,7 +298,7 @@ class EnvManager:
 
     def _on_done(self, task: RolloutTask, job: asyncio.Task):
         """Free the slots whatever happened (done, failed, aborted); remember a crash for run()."""
-        self.slots_used -= task.num_samples
+        self.slots_used -= task.num_samples - self.released.pop(task.task_id, 0)
         self.jobs.pop(task.task_id, None)
         self.trajs.pop(task.task_id, None)
         exc = None if job.cancelled() else job.exception()
@@ -354,7 +355,21 @@ class EnvManager:
         def one(i):
             return run_trajectory(self.proxy, lambda: self._make_env(task), self.fmt, self.cfg, task, i,
                                   on_attempt=live.__setitem__, on_failure=self._report_failure,
-                                  deadline=self.deadline, finish=self.finisher)
+                                  deadline=self.deadline, finish=finish if self.finisher else None)
+
+        async def finish(sample: Sample):
+            # A generated sample's slot is free while the finisher completes it (a teacher's log-probs can
+            # take seconds): its wait stalls no generation, and the controller's admission still bounds
+            # the samples in flight. An attempt that fails here is tried again in its slot, taken back.
+            self.slots_used -= 1
+            self.released[task.task_id] += 1
+            self.wake.set()
+            try:
+                await self.finisher(sample)
+            except BaseException:
+                self.slots_used += 1
+                self.released[task.task_id] -= 1
+                raise
         if task.num_samples == 1:  # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
         else:

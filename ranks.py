@@ -306,11 +306,14 @@ def init_distributed(cfg, extra: int = 0):
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     engine_core = ""
     if not cuda:   # CPU: trainer rank t on host core t (one thread); rollout ranks share the host cores
-        # (the extensions' engines, a teacher's or a judge's, share the rollout engines' cores: they score or
-        # judge finished samples, a fraction of generation's work, and the trainer keeps a core of its own)
+        # (the extensions' engines, a teacher's or a judge's, run on the last host core at the lowest
+        # priority, ext/served.py: two vLLM engines on one core starve each other, each worker spinning
+        # between requests; measured: DESIGN.md, "A model in the loop")
         host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
-        engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)]) if rank >= cfg.train_gpus else ""
+        if rank >= cfg.train_gpus:
+            rollout = rank < cfg.train_gpus + cfg.rollout_gpus
+            engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)] if rollout else host[-1])
     # the default group's TCPStore: the weight-sync group meets there, and the trainer ranks' mailboxes
     return rank, world, device, engine_core, trainer_group, store.underlying_store

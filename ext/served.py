@@ -18,10 +18,12 @@ bounded wait, never the run. Both directions go in lists, one round trip per tic
 """
 
 import asyncio
+import os
 import time
 
 from rollout import EnvFailure
 
+NICE = 19                    # a CPU served rank's niceness: the lowest priority
 POLL_S = (0.002, 0.008)      # an empty queue is polled after 2 ms, then ever less often, up to 8 ms
 
 
@@ -122,6 +124,11 @@ async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_
     from buffer import ManagerQueues
     from proxy import LLMProxy
     who, rc = f"{name} rank {index}", cfg.rollout
+    if device == "cpu":
+        # its engine shares a host core with a trainer (ranks.init_distributed), and vLLM's worker spins on it
+        # between requests: the lowest priority (inherited by the engine's processes) leaves the core to
+        # training; the served model's latency costs no generation (a sample waiting for it frees its slot)
+        os.nice(NICE)
     proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.controller.timeout_s,
                                       startup_timeout_s=cfg.controller.startup_timeout_s,
                                       cpu_cores=engine_core, max_num_seqs=rc.max_concurrency, dtype=rc.dtype,

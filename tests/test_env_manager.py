@@ -173,6 +173,40 @@ def test_max_concurrency_bounds_in_flight_work(tok):
     assert [round(t / (8 * STEP)) for t, _ in got] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
 
 
+def test_a_sample_frees_its_slot_while_its_finisher_waits(tok):
+    """A finisher that takes 10 s (a teacher's log-probs) does not hold the generation slot: three slots
+    generate nine 8-token samples in three waves of 0.8 s, and each arrives 10 s after its wave, not
+    after the waves before it have finished too. A finisher that fails takes its slot back for the retry,
+    and every slot is free at the end."""
+    from rollout import EnvFailure
+    failed_once = set()
+
+    async def finisher(sample):
+        await asyncio.sleep(10.0)
+        if sample.task_id == "t4" and "t4" not in failed_once:
+            failed_once.add("t4")
+            raise EnvFailure("the teacher failed it")
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=3), length_sampler=lambda rng: 8)
+        m.finisher = finisher
+        for i in range(9):
+            await buf.put_tasks([add_task(f"t{i}", f"g{i}")])
+        run = asyncio.create_task(m.run())
+        got = [(t, s) for t, s in await collect(buf, 10)]
+        in_flight = m.stats()["in_flight"]
+        await stop_all(buf, [m], [run])
+        return got, in_flight
+    got, in_flight = run_virtual(main())
+    ok = [(t, s.task_id) for t, s in got if not s.failed]
+    assert [s.task_id for _, s in got if s.failed] == ["t4"]
+    waves = {tid: round(t - 10.0, 1) for t, tid in ok}
+    assert sorted(v for k, v in waves.items() if k != "t4") == [0.8] * 3 + [1.6] * 2 + [2.4] * 3
+    assert waves["t4"] > 10.0          # its second attempt generated after the first one's finisher failed
+    assert in_flight == 0 and len(ok) == 9
+
+
 def test_idle_ranks_share_a_group_at_default_concurrency(tok):
     """Low load, default max_concurrency (64 free slots per rank): a replicated group of 8 spreads
     over all 4 engines, 2 samples each, instead of the first rank to poll taking all 8. A greedy
