@@ -195,7 +195,9 @@ def start_line(cfg, world: int, model_dir: str, device: str, state) -> str:
     """The run's first line: its ranks, model, context, dtype, ratio, loss, device, weights."""
     rc = cfg.rollout
     who = f"{world} ranks" if world > 1 else "one process"          # (one: python train.py, no torchrun)
-    return (f"train.py: {who} = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout, model "
+    served = world - cfg.train_gpus - cfg.rollout_gpus if world > 1 else 0    # a teacher's, a judge's ranks
+    return (f"train.py: {who} = {cfg.train_gpus} trainer + {cfg.rollout_gpus} rollout"
+            + (f" + {served} model server" if served else "") + ", model "
             f"{model_dir} (context {rc.max_model_len}, {rc.dtype}, up to {rc.max_tokens} tokens a turn), "
             f"async ratio {cfg.controller.async_ratio}, loss {cfg.train.loss}, device {device}, weights: "
             f"{cfg.weight_transport}"

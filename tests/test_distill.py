@@ -188,7 +188,9 @@ def test_distillation_alone_under_torchrun_lowers_the_students_kl_to_its_teacher
     assert len(kl) == 14 and all(r["num_samples"] == 256 and r["samples_failed"] == 0 for r in rows), rows
     assert all(0 < k < 20 for k in kl), kl               # (the student's own engine and the teacher's differ)
     assert sum(kl[-4:]) < 0.9 * sum(kl[:4]), kl
-    assert "teacher_kl" in (out.with_suffix(".log")).read_text() and all(r["time_teacher"] > 0 for r in rows)
+    log = out.with_suffix(".log").read_text()
+    assert "teacher_kl" in log and all(r["time_teacher"] > 0 for r in rows)
+    assert "3 ranks = 1 trainer + 1 rollout + 1 model server," in log     # the start line names every rank
     assert json.loads((out / "rollout_stats.json").read_text())
 
 
