@@ -31,6 +31,7 @@ SPECIALS = ["<pad>", "<eos>"]
 # digits and arithmetic first; letters and punctuation so text environments can speak too
 CHARS = list("0123456789+-*=") + list("abcdefghijklmnopqrstuvwxyz") + list(" .,:;!?()<>/'\n")
 VOCAB = SPECIALS + CHARS
+BYTE_NAMES = {" ": "\u0120", "\n": "\u010a"}    # byte-level BPE's names of the two characters that need one
 VOCAB_SIZE = 64  # padded up: a multiple of 8 keeps kernels happy
 assert len(VOCAB) <= VOCAB_SIZE
 
@@ -70,10 +71,14 @@ def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    # the vocabulary names characters as byte-level BPE does (" " is "Ġ", "\n" is "Ċ", printable ASCII is
+    # itself): transformers loads a qwen2 model dir's tokenizer as Qwen2Tokenizer, which maps text to those
+    # names before the lookup, so under any other names it would drop every space and newline
+    vocab = {BYTE_NAMES.get(tok, tok): i for i, tok in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                                                 pre_tokenizers.Split(Regex("."), behavior="isolated")])
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token=None, unk_token="<pad>", clean_up_tokenization_spaces=False)
     fast.chat_template = CHAT_TEMPLATE
@@ -104,14 +109,14 @@ def sft_segments(p: task.Problem) -> list[tuple[str, bool]]:
     return [(p.prompt, False), (p.answer, True)]
 
 
-def encode_sft_batch(tokenizer, transcripts: list[list[tuple[str, bool]]]):
-    """The transcripts as token ids, loss only on the model's turns (with their <eos>). Returns input_ids,
-    labels [B, T]."""
+def encode_sft_batch(tokenizer, transcripts: list[list[tuple]]):
+    """The transcripts as token ids, loss only on the model's turns (with their <eos>) and on segments
+    (text, True, False): trained text with no <eos> after it. Returns input_ids, labels [B, T]."""
     seqs, labels = [], []
     for segs in transcripts:
         ids, lab = [], []
-        for text, trained in segs:
-            t = tokenizer.encode(text) + ([tokenizer.eos_token_id] if trained else [])
+        for text, trained, *eos in segs:
+            t = tokenizer.encode(text) + ([tokenizer.eos_token_id] if (eos or [trained])[0] else [])
             ids += t
             lab += t if trained else [-100] * len(t)
         seqs.append(ids)
@@ -175,6 +180,14 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
         if not template.exists() or template.read_text() != CHAT_TEMPLATE:   # add or update it (atomically)
             template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
             os.replace(template.with_suffix(".tmp"), template)
+        tokenizer = build_tokenizer()        # and the tokenizer, which is not part of the hash either
+        if json.loads((out_dir / "tokenizer.json").read_text()) != json.loads(tokenizer.backend_tokenizer.to_str()):
+            tmp = out_dir.with_name(out_dir.name + ".tokenizer.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer.save_pretrained(tmp)
+            for f in tmp.iterdir():
+                os.replace(f, out_dir / f.name)
+            tmp.rmdir()
         return out_dir
 
     t0 = time.time()

@@ -34,14 +34,15 @@ seconds a trained sample's verdict took) and judge_share (the mean share of a tr
 env's reset to its verdict, spent waiting for the verdict).
 
 The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it):
-the embedded student warm-started further, three in four examples verdicts against the reference answer,
-"37+485=522:522?" -> "yes", "37+485=523:522?" -> "no" (wrong answers mostly near misses and changed digits,
-as the student's are), the rest answers. Its template (judge_template.txt in its dir, the default for it) is
-that one line. A reference-guided judge, as most math judges are: a 1M-parameter model did not learn to check
-a sum it is not shown (warm-started from the 96% teacher, 1,500 steps: 43% agreement with the verifier on the
-student's answers, p(yes) about 0.6 whatever the answer). The character tokenizer has no role markers, so
-for this toy judge the template's structure separates nothing; the rule above is what keeps a real judge's
-instructions apart.
+a model of the student's shape and character tokenizer trained from scratch on verdicts against the reference
+answer, "37+485=522\n37+485=523?" -> "no" (wrong answers mostly near misses and changed digits, as the
+student's are). Its template (judge_template.txt in its dir, the default for it) is that one line. The
+response sits where a repeat of the reference would, and a right answer's response is trained as text too:
+the judge learns to predict the repeat, and a digit it did not predict is a wrong answer. Trained on the
+verdict alone it learned whether a sum looks plausible instead, which the student's near misses usually do
+(40-71% agreement with the verifier on the student's answers against 98% this way; results/judge.md). The
+character tokenizer has no role markers, so for this toy judge the template's structure separates nothing;
+the rule above is what keeps a real judge's instructions apart.
 """
 
 import asyncio
@@ -395,13 +396,17 @@ def wrong_answer(rng: random.Random, answer: str) -> str:
     return out if out != answer else answer + str(rng.randrange(10))
 
 
-# the tiny judge's conversation: the problem, the response, the reference answer ("37+485=523:522?"), one turn
-TINY_TEMPLATE = "[user]\n{prompt}{response}:{answer}?\n"
+# the tiny judge's conversation: the problem and its reference answer, then the problem and the response, one turn
+# ("37+485=522\n37+485=523?"): the response sits where a copy of the answer would, so comparing them is what
+# a language model does anyway, predicting a repeat from its first occurrence (an induction head)
+TINY_TEMPLATE = "[user]\n{prompt}{answer}\n{prompt}{response}?\n"
 
 
 def judge_examples(seed: int = 0):
     """The tiny judge's warm-start verdicts: tool(problem) -> segments for tiny_model.ensure_tiny_model, half
-    right answers ("yes"), half wrong ones ("no"), rendered by TINY_TEMPLATE."""
+    right answers ("yes"), half wrong ones ("no"), rendered by TINY_TEMPLATE. A right answer's response is
+    trained as text too (predicting the repeat of the reference): without that the judge learns from the
+    verdict alone whether a sum looks plausible, and passes most of the student's near misses."""
     rng = random.Random(seed)
     sections = read_template_text(TINY_TEMPLATE)
 
@@ -409,18 +414,20 @@ def judge_examples(seed: int = 0):
         right = rng.random() < 0.5
         shown = p.answer if right else wrong_answer(rng, p.answer)
         text = "".join(m["content"] for m in fill(sections, p.prompt, shown, p.answer))
-        return [(text, False), ("yes" if right else "no", True)]
+        if not right:
+            return [(text, False), ("no", True)]
+        at = text.rindex(shown + "?")
+        return [(text[:at], False), (shown, True, False), (text[at + len(shown):], False), ("yes", True)]
     return example
 
 
 def ensure_tiny_judge(log=print) -> Path:
-    """Build (or reuse) .cache/tiny-judge: the embedded student warm-started 1,500 steps more, three in four
-    examples verdicts, the rest answers."""
+    """Build (or reuse) .cache/tiny-judge: a model of the embedded student's shape and tokenizer trained from
+    scratch on verdicts alone (2,000 steps)."""
     import tiny_model
-    tiny_model.ensure_tiny_model(log=log)
-    cfg = tiny_model.TinyConfig(seed=3, sft_steps=1500, tool_frac=0.75, init_from=tiny_model.DEFAULT_DIR.name)
-    path = tiny_model.ensure_tiny_model(TINY_JUDGE, cfg, log=log, tool=judge_examples(3))
-    if not (path / TEMPLATE_FILE).exists():
+    cfg = tiny_model.TinyConfig(seed=5, sft_steps=2000, tool_frac=1.0)
+    path = tiny_model.ensure_tiny_model(TINY_JUDGE, cfg, log=log, tool=judge_examples(5))
+    if not (path / TEMPLATE_FILE).exists() or (path / TEMPLATE_FILE).read_text() != TINY_TEMPLATE:
         (path / TEMPLATE_FILE).write_text(TINY_TEMPLATE)
     return path
 

@@ -39,7 +39,7 @@ def test_a_template_is_read_by_sections_and_filled_in_one_pass(tmp_path):
     assert msgs[1]["content"] == "Problem:\n2+2=\n\nReference answer:\n4"
     assert msgs[2]["content"] == "Response:\nit is {answer}"          # not "it is 4"
     assert fill(read_template(template(tmp_path, TINY_TEMPLATE), "t"), "1+2=", "4", "3") == [
-        {"role": "user", "content": "1+2=4:3?"}]
+        {"role": "user", "content": "1+2=3\n1+2=4?"}]
     for text, says in [("no sections at all {response}", "text before the first section"),
                        ("", "no section"), ("[critic]\n{response}", "a role is one of"),
                        ("[user]\n{prompt} only", "no {response}")]:
@@ -112,12 +112,13 @@ def test_the_judges_verdict_is_the_reward_and_its_record_reaches_the_sample(tiny
 
     def answer(op, ids, arg):
         text = tok.decode(ids)
-        if op == "score":          # the judge likes "1+2=3:3?" (p(y) 0.8 against p(n) 0.2), not the others
-            right = text.startswith("1+2=3:3?")
+        response = text.split("\n")[1][len("1+2=")]                # ("1+2=3\n1+2=4?": the reference, then it)
+        if op == "score":          # the judge likes "1+2=3\n1+2=3?" (p(y) 0.8 against p(n) 0.2), not the others
+            right = text.startswith("1+2=3\n1+2=3?")
             return [0.0] * (len(ids) - 2) + [math.log(0.8 if right == (ids[-1] == y) else 0.2)]
-        if text.startswith("1+2=5"):
+        if response == "5":
             return None                                              # a judge that never answers
-        return tok.encode(replies[text[4]]) + [tok.eos_token_id]
+        return tok.encode(replies[response]) + [tok.eos_token_id]
     q, serve = queues_with_judge(answer)
     problem = task.Problem("1+2=", "3")
 
@@ -203,16 +204,27 @@ def test_bad_judge_flags_are_named(tmp_path, tiny_model_dir):
 
 
 def test_the_tiny_judges_examples_are_half_right_half_wrong():
-    """Its warm start: "a+b=c:reference?" -> yes for the right sum, no for a wrong one, about half each."""
+    """Its warm start: "a+b=reference\na+b=c?" -> yes for the right sum, no for a wrong one, about half each;
+    a right answer's response is trained as text (no <eos> after it), a wrong one's never."""
+    from tiny_model import build_tokenizer, encode_sft_batch
     make = judge_examples(0)
     seen = [make(p) for p in task.make_problems(400, seed=0)]
-    for (shown, _), (verdict, trained) in seen:
-        a, rest = shown.split("+")
-        b, c = rest[:-1].split("=")
-        c, reference = c.split(":")
-        assert trained and reference == str(int(a) + int(b))
+    for segs in seen:
+        shown = "".join(seg[0] for seg in segs[:-1])
+        verdict, trained = segs[-1]
+        first, second = shown.split("\n")
+        a, rest = first.split("+")
+        b, reference = rest.split("=")
+        assert trained and reference == str(int(a) + int(b)) and second.startswith(f"{a}+{b}=")
+        c = second[len(f"{a}+{b}="):-1]
         assert verdict == ("yes" if c == reference else "no")
-    assert 150 < sum(v == "yes" for (_, _), (v, _) in seen) < 250
+        assert [seg[1:] for seg in segs[:-1]] == ([(False,), (True, False), (False,)] if c == reference
+                                                  else [(False,)])
+    assert 150 < sum(segs[-1][0] == "yes" for segs in seen) < 250
+    right = next(segs for segs in seen if segs[-1][0] == "yes")
+    tok = build_tokenizer()
+    ids, labels = encode_sft_batch(tok, [right])
+    assert [int(t) for t in labels[0] if t >= 0] == tok.encode(right[1][0] + "yes") + [tok.eos_token_id]
 
 
 @pytest.mark.engine
@@ -261,13 +273,6 @@ def test_judge_study_writes_its_tables(tmp_path, tiny_model_dir, judge_dir):
 
 @pytest.fixture(scope="session")
 def judge_dir() -> Path:
-    """A judge cheap enough for the suite: the student warm-started 400 steps more, three in four on verdicts
-    (cached)."""
-    import tiny_model
-    from ext.judge import TINY_TEMPLATE, TEMPLATE_FILE
-    tiny_model.ensure_tiny_model()                                  # (what it starts from)
-    cfg = tiny_model.TinyConfig(seed=3, sft_steps=400, tool_frac=0.75, init_from="tiny-qwen2")
-    path = tiny_model.ensure_tiny_model(ROOT / ".cache" / "tiny-judge-test", cfg, log=lambda *a: None,
-                                        tool=judge_examples(3))
-    (path / TEMPLATE_FILE).write_text(TINY_TEMPLATE)
-    return path
+    """The embedded judge (.cache/tiny-judge: built once, about 5 minutes on a core, then cached)."""
+    from ext.judge import ensure_tiny_judge
+    return ensure_tiny_judge(log=lambda *a: None)
