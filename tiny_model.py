@@ -76,8 +76,9 @@ def build_tokenizer():
     # names before the lookup, so under any other names it would drop every space and newline
     vocab = {BYTE_NAMES.get(tok, tok): i for i, tok in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                                                 pre_tokenizers.Split(Regex("."), behavior="isolated")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        pre_tokenizers.Split(Regex("."), behavior="isolated")])
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token=None, unk_token="<pad>", clean_up_tokenization_spaces=False)
@@ -181,7 +182,8 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
             template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
             os.replace(template.with_suffix(".tmp"), template)
         tokenizer = build_tokenizer()        # and the tokenizer, which is not part of the hash either
-        if json.loads((out_dir / "tokenizer.json").read_text()) != json.loads(tokenizer.backend_tokenizer.to_str()):
+        saved = json.loads((out_dir / "tokenizer.json").read_text())
+        if saved != json.loads(tokenizer.backend_tokenizer.to_str()):
             tmp = out_dir.with_name(out_dir.name + ".tokenizer.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenizer.save_pretrained(tmp)

@@ -396,7 +396,8 @@ def wrong_answer(rng: random.Random, answer: str) -> str:
     return out if out != answer else answer + str(rng.randrange(10))
 
 
-# the tiny judge's conversation: the problem and its reference answer, then the problem and the response, one turn
+# the tiny judge's conversation, one turn: the problem and its reference answer, then the problem and the
+# response
 # ("37+485=522\n37+485=523?"): the response sits where a copy of the answer would, so comparing them is what
 # a language model does anyway, predicting a repeat from its first occurrence (an induction head)
 TINY_TEMPLATE = "[user]\n{prompt}{answer}\n{prompt}{response}?\n"

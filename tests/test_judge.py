@@ -113,7 +113,7 @@ def test_the_judges_verdict_is_the_reward_and_its_record_reaches_the_sample(tiny
     def answer(op, ids, arg):
         text = tok.decode(ids)
         response = text.split("\n")[1][len("1+2=")]                # ("1+2=3\n1+2=4?": the reference, then it)
-        if op == "score":          # the judge likes "1+2=3\n1+2=3?" (p(y) 0.8 against p(n) 0.2), not the others
+        if op == "score":          # the judge likes "1+2=3\n1+2=3?" (p(y) 0.8 against p(n) 0.2), no other
             right = text.startswith("1+2=3\n1+2=3?")
             return [0.0] * (len(ids) - 2) + [math.log(0.8 if right == (ids[-1] == y) else 0.2)]
         if response == "5":
