@@ -184,7 +184,7 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
         tokenizer = build_tokenizer()        # and the tokenizer, which is not part of the hash either
         saved = json.loads((out_dir / "tokenizer.json").read_text())
         if saved != json.loads(tokenizer.backend_tokenizer.to_str()):
-            tmp = out_dir.with_name(out_dir.name + ".tokenizer.tmp")
+            tmp = out_dir.with_name(f"{out_dir.name}.tokenizer.{os.getpid()}.tmp")   # (one per process)
             shutil.rmtree(tmp, ignore_errors=True)
             tokenizer.save_pretrained(tmp)
             for f in tmp.iterdir():
