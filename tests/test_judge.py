@@ -265,8 +265,10 @@ def test_judge_study_writes_its_tables(tmp_path, tiny_model_dir, judge_dir):
     res = json.loads(out.with_suffix(".json").read_text())
     ag = res["agreement"]
     assert ag["pairs"] == 40 == ag["tp"] + ag["fp"] + ag["tn"] + ag["fn"]
-    assert [(r["kind"], r["ratio"]) for r in res["runs"]] == [("verifier", 2), ("judge", 2), ("judge", 0)]
-    assert all(len(r["time_judge"]) == 2 and all(t > 0 for t in r["time_judge"]) for r in res["runs"][1:])
+    assert [(r["kind"], r["ratio"]) for r in res["runs"]] == [("verifier", 2), ("judge", 2), ("judge", 0),
+                                                               ("verifier", 0)]
+    assert all(len(r["time_judge"]) == 2 and all(t > 0 for t in r["time_judge"]) for r in res["runs"][1:3])
+    assert 0 < res["student_held_out"] < 1
     md = out.with_suffix(".md").read_text()
     assert md in printed and all(f"### {i}." in md for i in (1, 2, 3))
 

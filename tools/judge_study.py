@@ -12,9 +12,10 @@ same steps, batch and seeds (tools/distill_study.job):
    thresholded at 0.5; agreement() here).
 2. Training with the judge's reward alone (--reward none: no verifier) against the verifier's, async ratio
    2: held-out reward per step, scored by the verifier in both (ext/eval.py; env_manager's eval_reward_fn).
-3. With the judge on, async ratio 2 against 0: seconds per step, the seconds a sample's verdict took, and
-   the verdict's share of a trajectory's time (from its env's reset to its verdict, judge_share): the share
-   env-level async has to hide behind other trajectories' generation.
+3. With the judge on, async ratio 2 against 0: seconds per step, against the verifier's runs at the same
+   ratio (the judge's extra seconds a step), the seconds a sample's verdict took, and the verdict's share of
+   a trajectory's time (from its env's reset to its verdict, judge_share): the share env-level async has to
+   hide behind other trajectories' generation.
 
 Writes results/judge.json (every run's rows) and results/judge.md (the tables).
 """
@@ -24,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from tools.distill_study import curve, job, mean
+from tools.distill_study import curve, held_out_of, job, mean
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,20 +91,35 @@ def tables(res: dict) -> str:
         steps = [s for s, _, _ in curve(by(kinds[0], 2))]
         lines += [f"### 2. Held-out reward (the verifier's) per step, trained on each reward (ratio 2, mean "
                   f"of {len(a['seeds'])} seeds)", "",
-                  "| reward trained on | " + " | ".join(f"step {s}" for s in steps) + " | s/step |",
-                  "|---" * (len(steps) + 2) + "|"]
+                  f"Before training (the student outside the system, mean@{max(a['eval_k'], 8)}): "
+                  f"{res['student_held_out']:.3f}. The reward trained on: the mean of the first and of the "
+                  "last 5 steps' samples.", "",
+                  "| reward trained on | " + " | ".join(f"step {s}" for s in steps)
+                  + " | reward trained on, first 5 -> last 5 steps | s/step |",
+                  "|---" * (len(steps) + 3) + "|"]
         for k in kinds:
-            lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for _, _, v in curve(by(k, 2)))
-                         + f" | {mean(r['s_per_step'] for r in by(k, 2)):.2f} |")
+            rs = by(k, 2)
+            lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for _, _, v in curve(rs))
+                         + f" | {mean(mean(r['reward'][:5]) for r in rs):.3f} -> "
+                         f"{mean(mean(r['reward'][-5:]) for r in rs):.3f} | "
+                         f"{mean(r['s_per_step'] for r in rs):.2f} |")
         lines.append("")
     rows = [(ratio, by("judge", ratio)) for ratio in (2, 0) if by("judge", ratio)]
     if rows:
         lines += ["### 3. The judge's latency, async ratio 2 against 0", "",
-                  "| ratio | runs | s/step | a verdict's seconds | its share of a trajectory | unparsed |",
-                  "|---|---|---|---|---|---|"]
+                  "The judge's extra seconds a step: s/step with it against the verifier's runs at the same "
+                  "ratio and seeds. A verdict's share of a trajectory is time the trajectory waits; what the "
+                  "step does not pay of it, other trajectories' generation and verdicts covered.", "",
+                  "| ratio | runs | s/step | s/step, verifier | the judge's extra s/step "
+                  "| a verdict's seconds | its share of a trajectory | unparsed |",
+                  "|---|---|---|---|---|---|---|---|"]
         for ratio, rs in rows:
-            lines.append(f"| {ratio} | {len(rs)} | {mean(r['s_per_step'] for r in rs):.2f} | "
-                         f"{mean(mean(r['time_judge']) for r in rs):.3f} | "
+            seeds = {r["seed"] for r in rs}
+            base = mean(r["s_per_step"] for r in by("verifier", ratio) if r["seed"] in seeds)
+            judged = mean(r["s_per_step"] for r in rs)
+            lines.append(f"| {ratio} | {len(rs)} | {judged:.2f} | "
+                         + (f"{base:.2f} | +{judged - base:.2f} | " if base is not None else "- | - | ")
+                         + f"{mean(mean(r['time_judge']) for r in rs):.3f} | "
                          f"{mean(mean(r['judge_share']) for r in rs):.0%} | "
                          f"{sum(sum(r['judge_unparsed']) for r in rs)} |")
         lines.append("")
@@ -125,6 +141,7 @@ def main():
     ap.add_argument("--runs-dir", default="/tmp/judge_study", help="the runs' out dirs and logs")
     ap.add_argument("--out", default=str(ROOT / "results" / "judge"), help="writes OUT.json, OUT.md")
     args = ap.parse_args()
+    import tiny_model
     from ext.judge import TINY_JUDGE, ensure_tiny_judge
     if args.judge == str(TINY_JUDGE):
         ensure_tiny_judge()
@@ -132,11 +149,12 @@ def main():
     seeds0 = [int(s) for s in args.ratio0_seeds.split(",") if s]
     judged = ["--judge", args.judge, "--judge-gpus", "1", "--reward", "none"]
     plan = ([("verifier", [], 2, 2, s) for s in seeds] + [("judge", judged, 3, 2, s) for s in seeds]
-            + [("judge", judged, 3, 0, s) for s in seeds0])
+            + [("judge", judged, 3, 0, s) for s in seeds0] + [("verifier", [], 2, 0, s) for s in seeds0])
     out_root = Path(args.runs_dir)
     out_root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ag = agreement(args.judge, args.pairs)
+    student = held_out_of(str(tiny_model.ensure_tiny_model(log=lambda *a: None)), args)
     print(f"judge_study: agreement {ag['agreement']:.1%} on {args.pairs} pairs "
           f"({time.monotonic() - t0:.0f}s); {len(plan)} runs of {args.steps} steps", flush=True)
     runs = []
@@ -151,7 +169,7 @@ def main():
                f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                if v != ap.get_default(k) and k not in ("runs_dir", "out")),
            "date": time.strftime("%Y-%m-%d"), "args": {**vars(args), "seeds": seeds}, "agreement": ag,
-           "runs": runs}
+           "student_held_out": student, "runs": runs}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     md = tables(res)
