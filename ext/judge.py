@@ -40,9 +40,11 @@ student's are). Its template (judge_template.txt in its dir, the default for it)
 response sits where a repeat of the reference would, and a right answer's response is trained as text too:
 the judge learns to predict the repeat, and a digit it did not predict is a wrong answer. Trained on the
 verdict alone it learned whether a sum looks plausible instead, which the student's near misses usually do
-(40-71% agreement with the verifier on the student's answers against 98% this way; results/judge.md). The
-character tokenizer has no role markers, so for this toy judge the template's structure separates nothing;
-the rule above is what keeps a real judge's instructions apart.
+(40-71% agreement with the verifier on the student's answers, against 94% this way; results/judge.md). Its
+blind spot: a wrong tens digit under a right last digit ("170" for 180) passes about one time in ten, and
+the student trained on its verdicts finds it (results/README.md). The character tokenizer has no role
+markers, so for this toy judge the template's structure separates nothing; the rule above is what keeps a
+real judge's instructions apart.
 """
 
 import asyncio
