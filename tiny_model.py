@@ -116,8 +116,9 @@ def encode_sft_batch(tokenizer, transcripts: list[list[tuple]]):
     seqs, labels = [], []
     for segs in transcripts:
         ids, lab = [], []
-        for text, trained, *eos in segs:
-            t = tokenizer.encode(text) + ([tokenizer.eos_token_id] if (eos or [trained])[0] else [])
+        for text, trained, *rest in segs:
+            eos = rest[0] if rest else trained
+            t = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
             ids += t
             lab += t if trained else [-100] * len(t)
         seqs.append(ids)

@@ -40,11 +40,11 @@ student's are). Its template (judge_template.txt in its dir, the default for it)
 response sits where a repeat of the reference would, and a right answer's response is trained as text too:
 the judge learns to predict the repeat, and a digit it did not predict is a wrong answer. Trained on the
 verdict alone it learned whether a sum looks plausible instead, which the student's near misses usually do
-(40-71% agreement with the verifier on the student's answers, against 94% this way; results/judge.md). Its
-blind spot: a wrong tens digit under a right last digit ("170" for 180) passes about one time in ten, and
-the student trained on its verdicts finds it (results/README.md). The character tokenizer has no role
-markers, so for this toy judge the template's structure separates nothing; the rule above is what keeps a
-real judge's instructions apart.
+(39-71% agreement with the verifier on the student's answers, against 94% this way; results/judge.md). Its
+blind spot: of the wrong answers it passes (61 of 632), most have a wrong tens digit under a right last
+digit ("170" for 180), and the student trained on its verdicts finds them (results/README.md). The
+character tokenizer has no role markers, so for this toy judge the template's structure separates nothing;
+the rule above is what keeps a real judge's instructions apart.
 """
 
 import asyncio
@@ -399,9 +399,8 @@ def wrong_answer(rng: random.Random, answer: str) -> str:
 
 
 # the tiny judge's conversation, one turn: the problem and its reference answer, then the problem and the
-# response
-# ("37+485=522\n37+485=523?"): the response sits where a copy of the answer would, so comparing them is what
-# a language model does anyway, predicting a repeat from its first occurrence (an induction head)
+# response ("37+485=522\n37+485=523?"). The response sits where a copy of the answer would, so comparing them
+# is what a language model does anyway, predicting a repeat from its first occurrence (an induction head)
 TINY_TEMPLATE = "[user]\n{prompt}{answer}\n{prompt}{response}?\n"
 
 

@@ -276,6 +276,6 @@ def test_judge_study_writes_its_tables(tmp_path, tiny_model_dir, judge_dir):
 
 @pytest.fixture(scope="session")
 def judge_dir() -> Path:
-    """The embedded judge (.cache/tiny-judge: built once, about 5 minutes on a core, then cached)."""
+    """The embedded judge (.cache/tiny-judge: built once, 11 minutes on a loaded core here, then cached)."""
     from ext.judge import ensure_tiny_judge
     return ensure_tiny_judge(log=lambda *a: None)
