@@ -243,11 +243,13 @@ class Verifiers(Extension):
             raise ValueError("--data and --task: pick one source of problems")
 
     def resolve(self, cfg):
-        """--reward-workers -1: one process unless the verifier is the embedded addition check."""
+        """--reward-workers -1: one process unless the verifier is the embedded addition check, or a judge
+        scores (ext/judge.py: its scorer calls the verifier itself, and two scorers cannot both answer)."""
         if self.part.reward_workers >= 0:
             return cfg
         custom = bool(cfg.data.data or self.part.task or cfg.rollout.reward not in ("", "none"))
-        self.part = dataclasses.replace(self.part, reward_workers=1 if custom else 0)
+        judged = bool(getattr(cfg.ext.get("judge"), "judge", ""))
+        self.part = dataclasses.replace(self.part, reward_workers=1 if custom and not judged else 0)
         return dataclasses.replace(cfg, ext={**cfg.ext, self.name: self.part})
 
     def problem_maker(self, seed: int):

@@ -203,6 +203,24 @@ def test_bad_judge_flags_are_named(tmp_path, tiny_model_dir):
                     "<default>", task.reward, 5, NAME, 1)
 
 
+def test_a_judge_with_a_dataset_resolves_to_no_verifier_processes(tmp_path, tiny_model_dir, capsys):
+    """--data's verifier defaults to a process of its own (--reward-workers -1 -> 1), but a judge's scorer
+    calls the verifier itself: with --judge the default resolves to 0 (it used to resolve to 1 and end the run
+    with "leave --reward-workers at its default"), and only a --reward-workers the user gives is refused."""
+    from config import Extensions, parse_cli
+    from train import Config
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    flags = ["--data", str(data), "--judge", str(tiny_model_dir), "--judge-gpus", "1"]
+    cfg = parse_cli(Config, flags)
+    assert Extensions.start(cfg).resolve(cfg).ext["verifiers"].reward_workers == 0
+    cfg = parse_cli(Config, flags[:2])                  # (no judge: the dataset's verifier gets its process)
+    assert Extensions.start(cfg).resolve(cfg).ext["verifiers"].reward_workers == 1
+    with pytest.raises(SystemExit):
+        parse_cli(Config, [*flags, "--reward-workers", "2"])
+    assert "--judge with --reward-workers" in capsys.readouterr().err
+
+
 def test_the_tiny_judges_examples_are_half_right_half_wrong():
     """Its warm start: "a+b=reference\na+b=c?" -> yes for the right sum, no for a wrong one, about half each;
     a right answer's response is trained as text (no <eos> after it), a wrong one's never."""
