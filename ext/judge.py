@@ -31,7 +31,9 @@ none: the task's own check), so held-out reward stays comparable between judged 
 
 Recorded per step: judge_unparsed (the step's trained samples whose verdict did not parse), time_judge (mean
 seconds a trained sample's verdict took) and judge_share (the mean share of a trajectory's time, from its
-env's reset to its verdict, spent waiting for the verdict).
+env's reset to its verdict, spent waiting for the verdict); with --judge-audit, reward_verifier too (the
+verifier's mean reward of the same samples, a record, not trained on: the judge's reward rising while it does
+not is the student learning the judge's blind spots).
 
 The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it):
 a model of the student's shape and character tokenizer trained from scratch on verdicts against the reference
@@ -101,6 +103,10 @@ class JudgeConfig:
     judge_weight: float = opt(1.0, "reward = this x the verdict + (1 - this) x the verifier's reward")
     judge_timeout_s: float = opt(20.0, "a verdict that takes longer fails the sample (and it is tried "
                                        "again); the env deadline bounds it too")
+    judge_audit: bool = opt(False, "also score each trained sample with the verifier, as a record only "
+                                   "(reward_verifier in metrics.jsonl beside reward_trained_mean, the same "
+                                   "samples' reward): the judge's reward rising while the verifier's does "
+                                   "not is the student learning the judge's blind spots")
 
     def __post_init__(self):
         check(self, at_least=dict(judge_gpus=0, judge_weight=0, judge_max_tokens=1),
@@ -246,10 +252,13 @@ class JudgeScorer:
         v, parsed = await self.verdict(problem, response)
         self.calls += 1
         self.unparsed += not parsed
+        truth = self.verifier(problem, response) if w < 1 or self.part.judge_audit else None
         state = VERDICT.get(None)
         if state is not None:
             state.update(parsed=parsed, seconds=time.monotonic() - t0)
-        return w * v + (1 - w) * self.verifier(problem, response) if w < 1 else v
+            if self.part.judge_audit:
+                state["verifier"] = truth
+        return w * v + (1 - w) * truth if w < 1 else v
 
     def stats(self) -> dict:
         return {"judge_calls": self.calls, "judge_unparsed": self.unparsed}
@@ -284,15 +293,19 @@ async def finish(s):
         return
     s.meta.update(judge_unparsed=not state["parsed"], judge_s=state["seconds"],
                   judge_share=state["seconds"] / max(time.monotonic() - state["t0"], 1e-9))
+    if "verifier" in state:                         # (--judge-audit)
+        s.meta["judge_verifier"] = state["verifier"]
 
 
 def judge_metrics(batch) -> dict:
     judged = [s for s in batch if "judge_s" in s.meta]
     if not judged:
         return {}
+    audited = [s.meta["judge_verifier"] for s in judged if "judge_verifier" in s.meta]
     return {"judge_unparsed": sum(s.meta["judge_unparsed"] for s in judged),
             "time_judge": sum(s.meta["judge_s"] for s in judged) / len(judged),
-            "judge_share": sum(s.meta["judge_share"] for s in judged) / len(judged)}
+            "judge_share": sum(s.meta["judge_share"] for s in judged) / len(judged),
+            **({"reward_verifier": sum(audited) / len(audited)} if audited else {})}
 
 
 @extension
@@ -363,8 +376,10 @@ class Judge(Extension):
         return judge_metrics(ctrl.batch)
 
     def step_line(self, row: dict) -> str | None:
+        if "time_judge" not in row:
+            return None
         return (f"judge {row['time_judge']:.2f}s ({row['judge_share']:.0%}) unparsed {row['judge_unparsed']}"
-                if "time_judge" in row else None)
+                + (f" verifier {row['reward_verifier']:.3f}" if "reward_verifier" in row else ""))
 
     def on_finish(self):
         if self.part.judge_gpus:

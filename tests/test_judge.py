@@ -2,7 +2,7 @@
 response that tries to end its section early, the scorer against a served rank in process (the verdict, the
 weighted sum, an unparsed reply counted, a late verdict a failed sample, what the finisher records), the
 judge's verdict log-probs from a real engine against transformers, the bad inputs, and a torchrun run with a
-judge rank and no verifier where the judge scores every sample."""
+judge rank and no verifier whose reward rises."""
 
 import asyncio
 import math
@@ -246,24 +246,47 @@ def test_the_tiny_judges_examples_are_half_right_half_wrong():
 
 
 @pytest.mark.engine
-def test_a_judge_alone_under_torchrun_scores_every_sample(tmp_path, tiny_model_dir, judge_dir):
+def test_a_judge_alone_under_torchrun_raises_its_reward(tmp_path, tiny_model_dir, judge_dir):
     """3 ranks (trainer, rollout, judge), --reward none: the only reward is the judge's verdict, a probability
-    (rewards that are not all 0 or 1); every step records the verdicts' seconds and share, none failed, none
-    unparsed (the yes rule always parses); held-out reward is the verifier's (0 or 1 a problem). Whether the
-    reward rises is not asserted: it does over 30 steps (tools/judge_study.py: 0.389 -> 0.454, the first and
-    last 5 steps, mean of 3 seeds), but one step's reward ranges from 0.19 to 0.61, so over a test's few
-    steps a rise is within the noise."""
+    (rewards that are not all 0 or 1), and over 20 steps it rises (the last 5 steps' mean at least 0.1 over
+    the first 5's); every step records the verdicts' seconds and share, none failed, none unparsed (the yes
+    rule always parses); held-out reward is the verifier's (0 or 1 a problem).
+
+    The run trains on 8 problems (--data), each met 2 times a step: its reward (reward_mean) went 0.39 ->
+    0.66, 0.39 -> 0.62 and 0.38 -> 0.65 (first 5 -> last 5 of 20 steps, seeds 0, 1, 2). On the generated task
+    a rise is not seen in a test's budget: one step's reward ranges from 0.19 to 0.61 and the rise is slow
+    (tools/judge_study.py: 0.389 -> 0.454 in 30 steps, the mean of 3 seeds; 0.411 -> 0.423 over 40 steps at
+    seed 0, first 10 -> last 10; a higher --lr makes it fall, the verifier's alike). What the student learns
+    here is the judge's blind spot, not the sums: --judge-audit records the verifier's reward of the same
+    samples, which fell while the judge's rose (seed 0: 0.30 -> 0.19, against the judge's 0.36 -> 0.68 on
+    those samples; printed with -s). That is not asserted: it is the embedded judge's property, not the
+    system's."""
+    import json
+
     from tools.jobs import run_to_end, torchrun_cmd
+    for name, n, seed in (("train", 8, 7), ("held", 16, 8)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
+            for p in task.make_problems(n, seed, digits=(2, 3))))
     out = tmp_path / "judged"
-    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "6", "--batch-groups", "16", "--timeout-s", "300",
+    cmd = torchrun_cmd("--out-dir", str(out), "--steps", "20", "--batch-groups", "16", "--timeout-s", "300",
                        "--judge", str(judge_dir), "--judge-gpus", "1", "--reward", "none",
-                       "--save-every", "0", "--eval-every", "100", "--eval-prompts", "16", "--eval-k", "1")
+                       "--data", str(tmp_path / "train.jsonl"), "--eval-data", str(tmp_path / "held.jsonl"),
+                       "--save-every", "0", "--eval-every", "20", "--eval-prompts", "16", "--eval-k", "1",
+                       "--judge-audit")
     cmd[cmd.index("--nproc-per-node") + 1] = "3"
     rows = run_to_end(cmd, out, "test_judge", timeout_s=900)
-    assert len(rows) == 6 and all(r["samples_failed"] == 0 and r["judge_unparsed"] == 0 for r in rows), rows
+    assert len(rows) == 20 and all(r["samples_failed"] == 0 and r["judge_unparsed"] == 0 for r in rows), rows
     assert all(0 < r["reward_mean"] < 1 for r in rows)
     assert any(abs(r["reward_mean"] * 128 - round(r["reward_mean"] * 128)) > 1e-3 for r in rows)  # not 0/1s
     assert all(0 < r["time_judge"] and 0 < r["judge_share"] < 1 for r in rows)
+    reward = [r["reward_mean"] for r in rows]
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.1, reward
+    truth = [r["reward_verifier"] for r in rows]           # --judge-audit: the verifier's, 0 or 1 a sample
+    assert all(0 <= t <= 1 and abs(t * r["num_samples"] - round(t * r["num_samples"])) < 1e-6
+               for t, r in zip(truth, rows)), truth
+    print("judge's reward (trained samples)", [round(r["reward_trained_mean"], 3) for r in rows],
+          "the verifier's", [round(x, 3) for x in truth])
     held_out = rows[-1]["eval_greedy"]           # (0 or 1 per problem: the verifier's, not a probability)
     assert held_out * 16 == round(held_out * 16)
     assert "judge " in out.with_suffix(".log").read_text()
