@@ -84,8 +84,9 @@ def job(kind: str, train_args: list[str], nproc: int, ratio: int, seed: int, arg
             "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
             "staleness_max": max(r["staleness_max"] for r in rows),
             "reward": [r["reward_mean"] for r in rows],
-            **{k: [r.get(k) for r in rows] for k in ("time_judge", "judge_share", "judge_unparsed")
-               if k in rows[-1]}}
+            "reward_trained": [r["reward_trained_mean"] for r in rows],
+            **{k: [r.get(k) for r in rows] for k in ("time_judge", "judge_share", "judge_unparsed",
+                                                     "reward_verifier") if k in rows[-1]}}
 
 
 def held_out_of(model_dir: str, args) -> float:

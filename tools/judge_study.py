@@ -1,6 +1,6 @@
 """judge_study.py: an LLM judge as the reward (ext/judge.py), measured on the real system, side by side.
 
-    .venv/bin/python -m tools.judge_study                   # everything below (~25 min on 2 cores)
+    .venv/bin/python -m tools.judge_study                   # everything below (~17 min on 2 cores)
     .venv/bin/python -m tools.judge_study --seeds 0 --steps 6 --pairs 100     # a quick look
 
 The embedded student (.cache/tiny-qwen2) and judge (.cache/tiny-judge, built on first use), every run
@@ -11,7 +11,8 @@ same steps, batch and seeds (tools/distill_study.job):
    samples at temperature 1: agreement and the confusion table (the verdict p(yes) / (p(yes) + p(no))
    thresholded at 0.5; agreement() here).
 2. Training with the judge's reward alone (--reward none: no verifier) against the verifier's, async ratio
-   2: held-out reward per step, scored by the verifier in both (ext/eval.py; env_manager's eval_reward_fn).
+   2: held-out reward per step, scored by the verifier in both (ext/eval.py; env_manager's eval_reward_fn),
+   and the verifier's reward of the samples each run trained on (the judged runs: --judge-audit).
 3. With the judge on, async ratio 2 against 0: seconds per step, against the verifier's runs at the same
    ratio (the judge's extra seconds a step), the seconds a sample's verdict took, and the verdict's share of
    a trajectory's time (from its env's reset to its verdict, judge_share): the share env-level async has to
@@ -75,6 +76,9 @@ def agreement(judge_dir: str, n: int, rule: str = "yes") -> dict:
 def tables(res: dict) -> str:
     a, runs, ag = res["args"], res["runs"], res["agreement"]
 
+    def truth(run):                 # the verifier's reward of a run's trained samples, per step
+        return run["reward_verifier"] if run["kind"] == "judge" else run["reward_trained"]
+
     def by(kind, ratio):
         return [r for r in runs if r["kind"] == kind and r["ratio"] == ratio]
     lines = [f"Command: `{res['command']}` ({a['steps']} steps of {a['batch_groups']}x8, seeds {a['seeds']}, "
@@ -93,15 +97,19 @@ def tables(res: dict) -> str:
                   f"of {len(a['seeds'])} seeds)", "",
                   f"Before training (the student outside the system, mean@{max(a['eval_k'], 8)}): "
                   f"{res['student_held_out']:.3f}. The reward trained on: the mean of the first and of the "
-                  "last 5 steps' samples.", "",
+                  "last 5 steps' samples. The verifier's reward of the trained samples (the judged runs: "
+                  "--judge-audit, a record only): the same 5 steps' trained batches.", "",
                   "| reward trained on | " + " | ".join(f"step {s}" for s in steps)
-                  + " | reward trained on, first 5 -> last 5 steps | s/step |",
-                  "|---" * (len(steps) + 3) + "|"]
+                  + " | reward trained on, first 5 -> last 5 steps | the verifier's reward of the trained "
+                  "samples, first 5 -> last 5 | s/step |",
+                  "|---" * (len(steps) + 4) + "|"]
         for k in kinds:
             rs = by(k, 2)
             lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for _, _, v in curve(rs))
                          + f" | {mean(mean(r['reward'][:5]) for r in rs):.3f} -> "
                          f"{mean(mean(r['reward'][-5:]) for r in rs):.3f} | "
+                         f"{mean(mean(truth(r)[:5]) for r in rs):.3f} -> "
+                         f"{mean(mean(truth(r)[-5:]) for r in rs):.3f} | "
                          f"{mean(r['s_per_step'] for r in rs):.2f} |")
         lines.append("")
     rows = [(ratio, by("judge", ratio)) for ratio in (2, 0) if by("judge", ratio)]
@@ -147,7 +155,7 @@ def main():
         ensure_tiny_judge()
     seeds = [int(s) for s in args.seeds.split(",")]
     seeds0 = [int(s) for s in args.ratio0_seeds.split(",") if s]
-    judged = ["--judge", args.judge, "--judge-gpus", "1", "--reward", "none"]
+    judged = ["--judge", args.judge, "--judge-gpus", "1", "--reward", "none", "--judge-audit"]
     plan = ([("verifier", [], 2, 2, s) for s in seeds] + [("judge", judged, 3, 2, s) for s in seeds]
             + [("judge", judged, 3, 0, s) for s in seeds0] + [("verifier", [], 2, 0, s) for s in seeds0])
     out_root = Path(args.runs_dir)
