@@ -33,7 +33,8 @@ Recorded per step: judge_unparsed (the step's trained samples whose verdict did 
 seconds a trained sample's verdict took) and judge_share (the mean share of a trajectory's time, from its
 env's reset to its verdict, spent waiting for the verdict); with --judge-audit, reward_verifier too (the
 verifier's mean reward of the same samples, a record, not trained on: the judge's reward rising while it does
-not is the student learning the judge's blind spots).
+not is the student learning the judge's blind spots; the verifier is called on the rollout rank's event loop,
+as at --judge-weight < 1, so a slow one, math-verify on --data, slows the rank).
 
 The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it):
 a model of the student's shape and character tokenizer trained from scratch on verdicts against the reference
@@ -252,10 +253,11 @@ class JudgeScorer:
         v, parsed = await self.verdict(problem, response)
         self.calls += 1
         self.unparsed += not parsed
+        seconds = time.monotonic() - t0                 # (the verdict's alone, without the verifier's call)
         truth = self.verifier(problem, response) if w < 1 or self.part.judge_audit else None
         state = VERDICT.get(None)
         if state is not None:
-            state.update(parsed=parsed, seconds=time.monotonic() - t0)
+            state.update(parsed=parsed, seconds=seconds)
             if self.part.judge_audit:
                 state["verifier"] = truth
         return w * v + (1 - w) * truth if w < 1 else v
