@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import re
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -62,9 +63,14 @@ class ControllerConfig:
                                            "VLLM_ENGINE_READY_TIMEOUT_S is set a minute above it), a rollout "
                                            "rank's connect to the queue server, the engines' READY")
     heartbeat_s: float = opt(10.0, "while collecting a step, a progress line this often, seconds")
+    max_failed_share: float = opt(0.95, "end the run (exit non-zero, naming the commonest reasons) once at "
+                                        "least this share of the last samples received failed (a window of "
+                                        "two batches' worth, at least 64); 1 = only when every one failed")
     def __post_init__(self):
         check(self, at_least=dict(batch_groups=1, group_size=1, async_ratio=0, redundant=0, env_redundancy=0,
-                                  max_gen_batches=0), above=dict(timeout_s=0, startup_timeout_s=0),
+                                  max_gen_batches=0), above=dict(timeout_s=0, startup_timeout_s=0,
+                                                                 max_failed_share=0),
+              at_most=dict(max_failed_share=1),
               one_of=dict(sample_order=ORDERS, rollout_mode=("queue", "batch"),
                           on_max_gen_batches=("error", "train")))
         if self.filter_groups and self.group_size < 2:
@@ -79,6 +85,33 @@ class ControllerConfig:
 
 
 STALE_WARN_SHARE = 0.25      # a step that drops more of its samples as stale warns (once a run)
+
+
+class FailureBreaker:
+    """Ends a run in which (nearly) every sample fails, which would otherwise retry and re-admit for ever (a
+    judge whose context is too short, a verifier that always raises, an env whose reset always fails): once
+    the last `window` samples received are in and at least `share` of them failed, raise, naming the
+    commonest reasons (numbers left out, so that one reason's samples count together) with their counts.
+    Evaluation samples and a rank's notices (its own aborts) do not count."""
+
+    def __init__(self, window: int, share: float):
+        self.share, self.recent, self.failed = share, collections.deque(maxlen=window), 0
+
+    def add(self, s, who: str):
+        if s.notice or s.meta.get("eval"):
+            return
+        if len(self.recent) == self.recent.maxlen:
+            self.failed -= self.recent[0] is not None
+        self.recent.append(str(s.meta.get("error", "?")) if s.failed else None)
+        self.failed += s.failed
+        if len(self.recent) < self.recent.maxlen or self.failed < self.share * len(self.recent):
+            return
+        reasons = collections.Counter(re.sub(r"\d+", "N", e) for e in self.recent if e is not None)
+        last = {re.sub(r"\d+", "N", e): e for e in self.recent if e is not None}      # an example of each
+        top = "; ".join(f"{n} x {last[k][:300]}" for k, n in reasons.most_common(3))
+        raise RuntimeError(f"{who}: {self.failed} of the last {len(self.recent)} samples failed (at least "
+                           f"--max-failed-share {self.share:g} of them): a failure every sample meets, so "
+                           f"the run stops (the last checkpoint stays as it was). Commonest reasons: {top}")
 
 
 class Admission:
@@ -186,6 +219,7 @@ class AsyncController:
         self.batch: list = []                  # the last step's samples (collect's batch)
         self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
         self._warned_stale = False             # so is the warning of a step that dropped many stale samples
+        self.breaker = FailureBreaker(max(2 * cfg.batch_groups * cfg.group_size, 64), cfg.max_failed_share)
 
     @property
     def freshness(self) -> Freshness:
@@ -323,6 +357,7 @@ class AsyncController:
         except TimeoutError:
             return None
         self.received(s)
+        self.breaker.add(s, self.buffer.who)          # (raises when nearly every sample fails)
         if self.taps and await self._tapped(s):
             return None
         return s

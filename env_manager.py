@@ -28,8 +28,51 @@ from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, Rol
 from task import load_reward
 
 
+BACKOFF_S = (0.05, 5.0)     # a failed attempt's wait before its slot runs again: doubles per failure in a row
+
+
 # ---------------------------------------------------------------------------------------------
 # the manager: slots, commands, the rollout side of the weight sync
+
+
+class Slots:
+    """A rank's rollout slots (--max-concurrency): a task holds one per sample while it runs. A sample's
+    finisher (a teacher's log-probs can take seconds) hands its slot back while it waits, so that generation
+    goes on; an attempt that then fails there waits for a free slot before it is tried again, ahead of new
+    tasks (`waiting` keeps their places), so `used` never exceeds `n`."""
+
+    def __init__(self, n: int):
+        self.n, self.used, self.waiting = n, 0, 0
+        self.held: dict[str, int] = {}           # task_id -> the slots it holds now
+        self.freed = asyncio.Event()
+
+    def free(self) -> int:
+        return self.n - self.used - self.waiting
+
+    def take(self, task_id: str, k: int):
+        self.held[task_id] = self.held.get(task_id, 0) + k
+        self.used += k
+
+    def give(self, task_id: str, k: int | None = None):
+        """k of the task's slots back (None: all it holds: the task ended)."""
+        k = self.held.get(task_id, 0) if k is None else k
+        if (left := self.held.get(task_id, 0) - k) > 0:
+            self.held[task_id] = left
+        else:
+            self.held.pop(task_id, None)
+        self.used -= k
+        self.freed.set()
+
+    async def take_back(self, task_id: str):
+        """A slot for the task again, once one is free."""
+        self.waiting += 1
+        try:
+            while self.used >= self.n:
+                self.freed.clear()
+                await self.freed.wait()
+        finally:
+            self.waiting -= 1
+        self.take(task_id, 1)
 
 
 class EnvManager:
@@ -78,8 +121,8 @@ class EnvManager:
         self.aborted_groups: set[str] = set()
         self.held: collections.deque[RolloutTask] = collections.deque()   # pulled, waiting for free slots
         self.outbox: list[Sample] = []          # finished samples, sent on the manager's next pass
-        self.slots_used = 0
-        self.released: collections.Counter[str] = collections.Counter()   # task_id -> its slots freed early
+        self.slots = Slots(cfg.max_concurrency)
+        self.fail_streak = 0                    # failed attempts in a row on this rank (_report_failure)
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
@@ -87,7 +130,7 @@ class EnvManager:
                              engine_restarts=0, samples_lost_to_engine=0, tokens_aborted=0)
 
     def stats(self) -> dict:
-        return {**self.counters, "in_flight": self.slots_used,
+        return {**self.counters, "in_flight": self.slots.used,
                 "env_deadline_s": dict(self.deadline.current_s),    # {"reset": s, "step": s}, seconds
                 **self.reward_stats(), "proxy": self.proxy.stats(), **{k: f() for k, f in RANK_STATS.items()}}
 
@@ -136,7 +179,7 @@ class EnvManager:
             # one round trip: the finished samples out; in, the next command (one at a time, in order:
             # the next waits for the sync in flight) and, with free slots and none held, tasks for them
             samples, self.outbox = self.outbox, []
-            want = self.cfg.max_concurrency - self.slots_used if may_start and not self.held else 0
+            want = self.slots.free() if may_start and not self.held else 0
             cmd, tasks, queued = await self.buffer.exchange(self.rank, samples, self.sync_task is None, want)
             self.held.extend(tasks)
             if cmd is not None:
@@ -255,9 +298,9 @@ class EnvManager:
                                    if t_now - at < self.cfg.poll_s}
         passed_over = []
         try:
-            while self.slots_used < self.cfg.max_concurrency:
+            while self.slots.free() > 0:
                 if not self.held:
-                    want = min(self.cfg.max_concurrency - self.slots_used, budget)
+                    want = min(self.slots.free(), budget)
                     got = await self.buffer.poll_tasks(want) if want > 0 else []
                     if not got:
                         return
@@ -278,7 +321,7 @@ class EnvManager:
                     # another rank with room takes it within a period
                     passed_over.append(self.held.popleft())
                     continue
-                if self.slots_used + task.num_samples > self.cfg.max_concurrency:
+                if task.num_samples > self.slots.free():
                     return             # held until enough slots free
                 if spread:
                     self.group_taken_at[task.group_id] = t_now
@@ -288,7 +331,7 @@ class EnvManager:
                 await self.buffer.return_tasks(passed_over)
 
     def _start(self, task: RolloutTask):
-        self.slots_used += task.num_samples
+        self.slots.take(task.task_id, task.num_samples)
         self.counters["tasks_started"] += 1
         self.trajs[task.task_id] = {}
         job = asyncio.get_running_loop().create_task(self._run_task(task),
@@ -298,7 +341,7 @@ class EnvManager:
 
     def _on_done(self, task: RolloutTask, job: asyncio.Task):
         """Free the slots whatever happened (done, failed, aborted); remember a crash for run()."""
-        self.slots_used -= task.num_samples - self.released.pop(task.task_id, 0)
+        self.slots.give(task.task_id)
         self.jobs.pop(task.task_id, None)
         self.trajs.pop(task.task_id, None)
         exc = None if job.cancelled() else job.exception()
@@ -358,18 +401,16 @@ class EnvManager:
                                   deadline=self.deadline, finish=finish if self.finisher else None)
 
         async def finish(sample: Sample):
-            # A generated sample's slot is free while the finisher completes it (a teacher's log-probs can
-            # take seconds): its wait stalls no generation, and the controller's admission still bounds
-            # the samples in flight. An attempt that fails here is tried again in its slot, taken back.
-            self.slots_used -= 1
-            self.released[task.task_id] += 1
+            # the sample's slot is free while the finisher completes it (Slots says why); the controller's
+            # admission still bounds the samples in flight
+            self.slots.give(task.task_id, 1)
             self.wake.set()
             try:
                 await self.finisher(sample)
-            except BaseException:
-                self.slots_used += 1
-                self.released[task.task_id] -= 1
+            except Exception:
+                await self.slots.take_back(task.task_id)      # (tried again: in a slot of its own)
                 raise
+        await self._back_off()
         if task.num_samples == 1:  # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]
         else:
@@ -383,6 +424,7 @@ class EnvManager:
             if s is not None:
                 self._enqueue(s)
                 self.counters["samples_sent"] += 1
+                self.fail_streak = 0
 
     def _enqueue(self, s: Sample):
         self.outbox.append(s)
@@ -398,6 +440,16 @@ class EnvManager:
         self.counters["env_timeouts"] += s.meta["timeout"]
         self.counters["retries"] += s.meta["retrying"]
         self._enqueue(s)
+        self.fail_streak += 1
+        if s.meta["retrying"]:
+            await self._back_off()
+
+    async def _back_off(self):
+        """Before an attempt on a rank whose last attempts failed: wait, longer after each failure in a row
+        (a success resets it), so that a failure every sample meets does not spin hot (the controller's
+        breaker then ends the run: controller.FailureBreaker)."""
+        if self.fail_streak:
+            await asyncio.sleep(min(BACKOFF_S[0] * 2 ** min(self.fail_streak - 1, 16), BACKOFF_S[1]))
 
     def _make_env(self, task: RolloutTask):
         if task.env not in ENVS:

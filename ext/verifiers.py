@@ -2,7 +2,7 @@
 reasoning-gym's procedural tasks (--task NAME, each with its own verifier).
 
     pool = RewardPool(workers=1, spec="", timeout_s=10)   # a rollout rank's verifier processes
-    r = await pool.score(problem, response)               # 0.0: the verifier raised or outlived its deadline
+    r = await pool.score(problem, response)     # 0.0: it outlived its deadline; it raised: RuntimeError
 
 On by default wherever the verifier is not the embedded addition check (--data, --task, --reward:
 --reward-workers -1 = 1 process then, 0 for the addition check, which runs inline): a rollout rank's envs
@@ -68,7 +68,7 @@ def _reward_worker(conn, spec: str):
         call_id, problem, response = conn.recv()
         try:
             out = float(fn(problem, response))
-        except Exception as e:          # a verifier that raises scores 0; say why (short: one pipe write)
+        except Exception as e:          # a verifier that raises fails the sample; say why (short: one write)
             out = RuntimeError(f"{type(e).__name__}: {e}"[:1000])
         conn.send((call_id, out))
 
@@ -76,7 +76,8 @@ def _reward_worker(conn, spec: str):
 class RewardPool:
     """`workers` verifier processes. score() sends one call to an idle worker and waits at most
     its deadline: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
-    (counted in `timeouts`): a pathological input cannot hang the rank. The deadline is timeout_s, or
+    (counted in `timeouts`): a pathological input cannot hang the rank. A verifier that raises fails the
+    call (RuntimeError, counted in `errors`): its sample fails, as with an inline verifier. The deadline is timeout_s, or
     with timeout_factor > 0 the adaptive one (ext/deadlines.py's RewardDeadline: min(max(timeout_min_s,
     timeout_factor x the slowest correct answer so far), timeout_s)). Workers are spawned (not
     forked: the rollout rank has threads) and end with the pool, or with this process.
@@ -188,9 +189,9 @@ class RewardPool:
             self._replace(worker)
             return 0.0
         self.idle.put_nowait(worker)
-        if isinstance(out, Exception):
+        if isinstance(out, Exception):    # (a failed sample, as an inline verifier's: a bug is not a wrong answer)
             self.errors += 1
-            return 0.0
+            raise RuntimeError(f"the verifier {self.spec or '(the task verifier)'} raised {out}")
         self.deadline.record(asyncio.get_running_loop().time() - t0, out)
         return out
 

@@ -16,3 +16,8 @@ def sleep_then(problem, response):
     seconds, value = response.split("|")
     time.sleep(float(seconds))
     return float(value)
+
+
+def always_raises(problem, response):
+    """A verifier with a bug every answer meets (issue 61: such a run must stop, not spin)."""
+    raise ValueError("a verifier that always raises")

@@ -207,6 +207,45 @@ def test_a_sample_frees_its_slot_while_its_finisher_waits(tok):
     assert in_flight == 0 and len(ok) == 9
 
 
+def test_a_finisher_that_fails_while_the_rank_is_full_waits_for_a_free_slot(tok):
+    """Two slots; every sample's finisher takes 1 s, and t0's fails once. When it fails (t = 1.8) both slots
+    generate t4 and t5, so its retry waits for one of them (t = 2.4) instead of taking a third: the rank never
+    runs more than --max-concurrency samples, and the engine never holds more requests."""
+    from rollout import EnvFailure
+    failed_once, most = set(), [0, 0]
+
+    async def finisher(sample):
+        await asyncio.sleep(1.0)
+        if sample.task_id == "t0" and "t0" not in failed_once:
+            failed_once.add("t0")
+            raise EnvFailure("the teacher failed it")
+
+    async def watch(m):
+        while True:
+            most[0] = max(most[0], m.stats()["in_flight"])
+            most[1] = max(most[1], m.proxy.num_in_flight)
+            await asyncio.sleep(0.01)
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=2), length_sampler=lambda rng: 8)
+        m.finisher = finisher
+        for i in range(8):
+            await buf.put_tasks([add_task(f"t{i}", f"g{i}")])
+        run = asyncio.create_task(m.run())
+        watcher = asyncio.create_task(watch(m))
+        got = await collect(buf, 9)
+        watcher.cancel()
+        in_flight = m.stats()["in_flight"]
+        await stop_all(buf, [m], [run])
+        return got, in_flight
+    got, in_flight = run_virtual(main())
+    assert most == [2, 2], f"the rank ran {most[0]} samples and its engine {most[1]} requests with 2 slots"
+    retried = [t for t, s in got if s.task_id == "t0" and not s.failed]
+    assert len(retried) == 1 and retried[0] >= 2.4 + 0.8 + 1.0 - 1e-6   # a free slot, generation, finisher
+    assert in_flight == 0 and sum(not s.failed for _, s in got) == 8
+
+
 def test_idle_ranks_share_a_group_at_default_concurrency(tok):
     """Low load, default max_concurrency (64 free slots per rank): a replicated group of 8 spreads
     over all 4 engines, 2 samples each, instead of the first rank to poll taking all 8. A greedy
@@ -384,6 +423,60 @@ def test_env_failing_every_time_gives_up_after_max_retries(tok):
     assert [s.meta["retrying"] for s in bad] == [True, True, False]
     assert not after.failed and after.task_id == "after"
     assert (stats["samples_failed"], stats["retries"], stats["env_timeouts"]) == (3, 2, 0)
+
+
+def test_a_failure_every_sample_meets_backs_off_and_stops_the_run_naming_it(tok):
+    """An env whose reset always fails: the rank waits longer after each failure in a row instead of retrying
+    and re-admitting hot, and once (nearly) every sample of the breaker's window failed, collect raises,
+    naming the reason with its count and the flag; nothing is trained."""
+    from controller import AsyncController, ControllerConfig
+    from env_manager import BACKOFF_S
+
+    async def main():
+        buf = SampleBuffer(LocalQueues(1), "test")
+        ctrl = AsyncController(ControllerConfig(batch_groups=2, group_size=2, async_ratio=0, redundant=0,
+                                                filter_groups=False), buf,
+                               (Problem("1+1=", "2") for _ in itertools.count()), 1)
+        m = make_manager(buf, tok, cfg=rcfg(max_concurrency=4, max_retries=1),
+                         env_wrappers=lambda env: FaultyEnv(env, 1.0, 0.0, random.Random(0)))
+        run = asyncio.create_task(m.run())
+        await ctrl.wait_ready()
+        t0 = now()
+        try:
+            with pytest.raises(RuntimeError) as e:
+                await ctrl.collect()
+            return str(e.value), now() - t0, ctrl.breaker
+        finally:
+            await ctrl.stop()
+            await run
+    message, elapsed, breaker = run_virtual(main())
+    assert "64 of the last 64 samples failed" in message and "--max-failed-share 0.95" in message
+    assert "64 x rollout rank 0: env 'single-turn' reset (task g" in message and "injected" in message
+    # 64 failures on 4 slots: 16 a slot, each waiting BACKOFF_S[0] x 2 ** (failures in a row), at most
+    # BACKOFF_S[1]: most of them wait the most; hot, they took no time at all
+    assert elapsed > 8 * BACKOFF_S[1], f"64 failures in {elapsed:.1f} virtual seconds: no back-off"
+
+
+def test_the_breaker_counts_a_window_and_trips_only_past_its_share():
+    """The window slides: failures mixed with successes do not trip it, 95% of it failing does, and a rank's
+    notices (its own aborts) and evaluation samples are not counted."""
+    from controller import FailureBreaker
+    ok, bad = _sample("g", 1.0), _sample("g", 0.0, failed=True)
+    bad.meta["error"] = "rollout rank 3: task g17.2: the judge's context (128) is too short"
+    notice = _sample("g", 0.0, failed=True)
+    notice.meta["aborted"] = "dropped_stale"
+    b = FailureBreaker(20, 0.95)
+    for _ in range(100):
+        b.add(notice, "test")               # never counted
+    for i in range(200):
+        b.add(ok if i % 10 == 0 else bad, "test")    # 90% failed: runs on
+    b = FailureBreaker(20, 0.95)
+    b.add(ok, "test")
+    for _ in range(18):
+        b.add(bad, "test")                  # 18 of 19: the window is not full yet
+    with pytest.raises(RuntimeError, match=r"19 of the last 20 samples failed .* 19 x rollout rank 3: task "
+                                           r"g17\.2: the judge's context \(128\)"):
+        b.add(bad, "test")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,3 +48,21 @@ def test_a_debugger_stepping_through_the_run_reaches_rl_step(tmp_path, tiny_mode
 def test_one_process_runs_one_engine_and_one_trainer(tmp_path):
     r = run("train.py", "--rollout-gpus", "2", "--out-dir", str(tmp_path / "o"))
     assert r.returncode != 0 and "one engine and one trainer" in r.stderr and "torchrun" in r.stderr
+
+
+def test_a_verifier_that_always_raises_stops_the_run_and_keeps_its_last_checkpoint(tmp_path, tiny_model_dir):
+    """Two good steps, then the run resumed with a verifier that raises on every answer: it would retry and
+    re-admit for ever; it stops instead (exit 1), naming the reason with its count and the flag, and the
+    checkpoint and metrics of the good steps stay as they were."""
+    out, common = tmp_path / "run", ["--batch-groups", "4", "--group-size", "4"]
+    r = run("train.py", "--steps", "2", "--out-dir", str(out), *common)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in (out / "checkpoint").iterdir() if p.is_file()}
+    r = run("train.py", "--steps", "4", "--out-dir", str(out), "--resume", *common,
+            "--reward", "tests.reward_fixtures:always_raises", timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    assert ("64 of the last 64 samples failed (at least --max-failed-share 0.95 of them)" in r.stderr
+            and "64 x rollout rank 0: env 'single-turn' step 0" in r.stderr
+            and "the verifier tests.reward_fixtures:always_raises raised ValueError" in r.stderr), r.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint").iterdir() if p.is_file()} == before
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
