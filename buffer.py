@@ -188,6 +188,7 @@ def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
 
 
 QUEUE_NAMES = ("tasks", "samples", "acks")
+PROBE_TEXT = "123+456=579"   # the weight-sync probe (READY, SYNCED): any text the model's vocab covers
 
 
 def exchange(transport, rank: int, samples: list, want_command: bool, max_tasks: int):
@@ -392,7 +393,7 @@ class ManagerQueues:
             except (ConnectionRefusedError, OSError) as e:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{who}: could not reach the queue server at {host}:{port} "
-                                       f"within {timeout_s:.0f}s ({e})") from None
+                                       f"within {timeout_s:.0f}s (--startup-timeout-s): {e}") from None
                 time.sleep(0.5)
 
     def q(self, name: str, rank: int | None = None):

@@ -131,8 +131,9 @@ class Extension:
         """Run this extension's rank `index` (0.. of its extra_ranks) until the run ends; buffer_addr: the
         queue server's (host, port, authkey), where it meets the rollout ranks."""
 
-    def one_process_engine(self, model_dir: str, cfg):
-        """python train.py without torchrun: the engine of the one-process run (ext/torch_engine.py's)."""
+    def without_torchrun(self):
+        """python train.py without torchrun: run(cfg, exts, extra_ranks, the train module), the whole run in
+        one process (ext/one_process.py)."""
 
     # --- trainer ranks
     def trainer_weights(self):
@@ -197,6 +198,10 @@ class Extension:
     # --- rollout ranks
     def engine_args(self, model_dir: str, device: str, who: str) -> dict | None:
         """Keywords for the engine's start (vllm_engine.VLLMEngine.start, AsyncEngineArgs')."""
+
+    def rollout_engine(self, model_dir: str, who: str, engine: dict):
+        """An awaitable of the rollout rank's engine (proxy.Engine), if not vLLM's (ext/torch_engine.py's
+        --engine torch); engine: vllm_engine.VLLMEngine.start's keywords."""
 
     def on_engine(self, engine):
         """Every new engine (vllm_engine.VLLMEngine), once started."""

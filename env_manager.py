@@ -18,9 +18,10 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 
 import asyncio
 import collections
+import functools
 import math
 
-from buffer import Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample
+from buffer import PROBE_TEXT, Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample
 from clock import now
 from proxy import EngineError, Status
 from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory,
@@ -459,3 +460,16 @@ class EnvManager:
         env = ENVS[task.env](task.problem, env_seed(task.group_id),
                              reward_fn=self.eval_reward_fn if held_out else self.reward_fn)
         return self.env_wrappers(env) if self.env_wrappers else env
+
+
+def for_rank(cfg, exts, proxy, buffer, tokenizer, index: int, restart_engine=None) -> "EnvManager":
+    """A rollout rank's EnvManager over its proxy, with what the extensions bring: a dead engine's
+    replacement (given restart_engine), env faults, a verifier pool, an adaptive env deadline."""
+    wrappers = exts.call("env_wrapper", index)          # (injected faults)
+    return EnvManager(proxy, buffer, tokenizer, index, cfg.rollout, sync_timeout_s=cfg.controller.timeout_s,
+                      probe_ids=tokenizer.encode(PROBE_TEXT),
+                      recovery=exts.first("engine_recovery", restart_engine) if restart_engine else None,
+                      env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
+                      if wrappers else None, scorer=exts.first("scorer", index, buffer),
+                      deadline=exts.first("env_deadline"),
+                      finisher=exts.chain("sample_finisher", index, buffer))   # (a teacher's log-probs, ...)

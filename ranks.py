@@ -20,14 +20,16 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from buffer import PROBE_TEXT
 from trainer import Trainer
+from weight_sync import TRANSPORTS
 
 
-PROBE_TEXT = "123+456=579"   # the weight-sync probe: any token sequence the model's vocab covers
 
 
 def collective(phase: str, fn, *args, **kwargs):
@@ -190,6 +192,32 @@ class TrainerRanks:
         if self.num_ranks > 1:    # FSDP: the op's collectives (batch plan, forward/backward, gathers) name it
             return collective(f"the trainer ranks' '{op['op']}'", OPS[op["op"]], self, op)
         return OPS[op["op"]](self, op)
+
+
+def trainer_ranks(cfg, exts, rank: int, device: str, trainer_group, model_dir: str, state,
+                  base_dir: str, tokenizer, mailbox=None, **where) -> TrainerRanks:
+    """This trainer rank's Trainer in lockstep with the others (TrainerRanks: mailbox, the store their ops are
+    posted on), with its weight sender (the transport's; where: the sender's host, port, store, prefix)."""
+    timeout, transport = cfg.controller.timeout_s, TRANSPORTS[cfg.weight_transport]
+    trainer = Trainer(model_dir, cfg.train, trainer_group if cfg.train_gpus > 1 else None, device,
+                      weights=exts.first("trainer_weights"), ref_dir=base_dir,   # (--kl-coef's reference)
+                      temperature=cfg.rollout.temperature)              # log-probs of what the engines sample
+    if state:
+        trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
+        trainer.num_steps = state["step"]
+    if getattr(transport, "engines_after_trainers", False):   # (ipc: the engines start once the trainers
+        collective("the trainer ranks' models built, before the engines start", dist.barrier)   # hold theirs)
+    # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
+    ranks = TrainerRanks(trainer, cfg.train_gpus, trainer_group, cfg.out_dir, model_dir,
+                         tokenizer.encode(PROBE_TEXT), store=mailbox, timeout_s=timeout)
+    ranks.after_train = [e.after_train for e in exts]
+    ranks.probe_due = lambda v: cfg.check_sync_every > 0 and v % cfg.check_sync_every == 0
+    # the weights go to the engines by the transport's senders (rank 0's, or every rank's); engines receive
+    # in their own dtype
+    ranks.sender = transport.sender(rank, "nccl" if device.startswith("cuda") else "gloo", device=device,
+                                    timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20, **where)
+    ranks.every_rank_sends = transport.every_rank
+    return ranks
 
 
 def _train(ranks: TrainerRanks, op: dict):

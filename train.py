@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 
 import ext
-from buffer import LocalQueues, ManagerQueues, SampleBuffer, die_with_parent, queue_bind
+from buffer import PROBE_TEXT, ManagerQueues, SampleBuffer, die_with_parent, queue_bind
 from config import Extensions, check, extensions, opt, parse_cli, part
 from controller import AsyncController, ControllerConfig, WholeBatch, rl_step
-from env_manager import EnvManager, RolloutConfig
+from env_manager import RolloutConfig, for_rank
 from proxy import LLMProxy, Sampling
-from ranks import PROBE_TEXT, TrainerRanks, collective, init_distributed, pin_engine_gpu
+from ranks import TrainerRanks, collective, init_distributed, pin_engine_gpu, trainer_ranks
 from rollout import PromptFormat
 from runlog import RunLog, print0, probe_verdict, start_line, start_metrics
 from task import DataConfig, problem_stream
-from trainer import TrainConfig, Trainer, check_model_dir, check_run_dir
+from trainer import TrainConfig, check_model_dir, check_run_dir
 from vllm_engine import VLLMEngine, export_startup_timeout
 from weight_sync import TRANSPORTS, weight_layout
 
@@ -72,8 +72,7 @@ class Config:
                                         "--colocate, else group)")
     save_every: int = opt(10, "checkpoint every N steps (and at the end); 0 = only at the end")
     print_world_size: bool = opt(False, "print how many ranks these flags need (torchrun's --nproc-per-node "
-                                        "on one node: trainers, rollout ranks and the extensions' engines), "
-                                        "then exit")
+                                        "on one node, the extensions' engines included), then exit")
     check_sync_every: int = opt(10, "compare engine and trainer logprobs on a probe at start and every N "
                                     "syncs; 0 = never")
     data: DataConfig = part(DataConfig)                   # --data, ...
@@ -83,15 +82,11 @@ class Config:
     ext: dict = extensions()                              # --lora-rank, --tail-batching, --eval-every, ...
 
     def __post_init__(self):
-        if self.resume not in ("no", "yes", "auto"):
-            raise ValueError(f"--resume must be no, yes or auto, got {self.resume!r}")
+        check(self, at_least=dict(rollout_gpus=1, train_gpus=1, steps=1, bucket_mb=1, save_every=0,
+                                  check_sync_every=0, time_limit_min=0),
+              one_of=dict(resume=("no", "yes", "auto"), weight_transport=("auto", *TRANSPORTS)))
         if self.resume != "no" and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
-        check(self, at_least=dict(rollout_gpus=1, train_gpus=1, steps=1, bucket_mb=1, save_every=0,
-                                  check_sync_every=0, time_limit_min=0))
-        if self.weight_transport not in (names := ["auto", *TRANSPORTS]):
-            raise ValueError(f"--weight-transport must be {', '.join(names[:-1])} or {names[-1]}, got "
-                             f"{self.weight_transport!r}")
         Extensions.configure(self)             # each extension's flags against the rest (may settle "auto")
         if self.weight_transport == "auto":
             self.weight_transport = "group"
@@ -113,10 +108,9 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, la
         extra = {k: v for d in await exts.acall("after_step", ctrl, step + 1, final) for k, v in d.items()}
         log.step(step + 1, ctrl.version, {**s.info, **extra}, s.metrics, s.sync, s.train_s,
                  time.monotonic() - t0)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or final:
-            # (the data position, the next group id, the prompts in flight: ctrl.state())
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or final:     # (+ ctrl.state(): the data
             ranks.save({"step": step + 1, "version": ctrl.version, "config": dataclasses.asdict(cfg),
-                        **ctrl.state()})
+                        **ctrl.state()})                  # position, group ids, prompts in flight)
         if final:
             break                                                         # (--time-limit-min: early)
     last = await ctrl.finish_sync()                                        # the last sync's acks
@@ -131,40 +125,12 @@ async def rl_loop(cfg: Config, exts, ctrl, ranks, log: RunLog, backend, send, la
 # the trainer ranks and the rollout ranks
 
 
-def trainer_ranks(cfg: Config, exts, rank: int, device: str, trainer_group, model_dir: str, state,
-                  base_dir: str, tokenizer, mailbox=None, model_built=lambda: None, **where) -> TrainerRanks:
-    """This trainer rank's Trainer in lockstep with the others (TrainerRanks: mailbox, the store their ops are
-    posted on), with its weight sender (the transport's; where: the sender's host, port, store, prefix).
-    model_built() runs once the model is built, before the sender is made."""
-    timeout, transport = cfg.controller.timeout_s, TRANSPORTS[cfg.weight_transport]
-    trainer = Trainer(model_dir, cfg.train, trainer_group if cfg.train_gpus > 1 else None, device,
-                      weights=exts.first("trainer_weights"), ref_dir=base_dir,   # (--kl-coef's reference)
-                      temperature=cfg.rollout.temperature)              # log-probs of what the engines sample
-    if state:
-        trainer.load_optimizer(Path(cfg.out_dir) / "checkpoint")
-        trainer.num_steps = state["step"]
-    model_built()
-    # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
-    ranks = TrainerRanks(trainer, cfg.train_gpus, trainer_group, cfg.out_dir, model_dir,
-                         tokenizer.encode(PROBE_TEXT), store=mailbox, timeout_s=timeout)
-    ranks.after_train = [e.after_train for e in exts]
-    ranks.probe_due = lambda v: cfg.check_sync_every > 0 and v % cfg.check_sync_every == 0
-    # the weights go to the engines by the transport's senders (rank 0's, or every rank's); engines receive
-    # in their own dtype
-    ranks.sender = transport.sender(rank, "nccl" if device.startswith("cuda") else "gloo", device=device,
-                                    timeout_s=timeout, bucket_bytes=cfg.bucket_mb << 20, **where)
-    ranks.every_rank_sends = transport.every_rank
-    return ranks
-
-
 def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer, tokenizer, state):
     """Trainer rank 0's side of the run: the controller (admission, collection, the weight sync), the run's
     record, how a step's groups train, and the weights' send. -> (ctrl, log, backend, send, layout)."""
     problems, make, _ = cfg.data.sources(cfg.train.seed, exts)       # (--task, lengths, a held-out split)
     stream = problem_stream(problems, cfg.train.seed, state["data_position"] if state else 0, make=make)
     fmt = PromptFormat(tokenizer, cfg.rollout.chat_template)      # as the rollout ranks render prompts
-    # (its version; each prompt's tokens, for the engine's context; the log; the admission policy; recovery;
-    # the freshness rule)
     ctrl = AsyncController(cfg.controller, buffer, stream, cfg.rollout_gpus, state["version"] if state else 0,
                            lambda p: len(fmt.first(p.prompt)), cfg.rollout.max_model_len, print0,
                            exts.first("admission", cfg.controller), exts.first("sync_recovery"),
@@ -180,32 +146,15 @@ def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer
     return ctrl, log, backend, functools.partial(ranks.send_weights, layout=layout), layout
 
 
-def env_manager(cfg: Config, exts, proxy: LLMProxy, buffer: SampleBuffer, tokenizer, index: int,
-                restart_engine=None) -> EnvManager:
-    """A rollout rank's EnvManager over its proxy, with what the extensions bring: a dead engine's
-    replacement (given restart_engine), env faults, a verifier pool, an adaptive env deadline."""
-    wrappers = exts.call("env_wrapper", index)          # (injected faults)
-    return EnvManager(proxy, buffer, tokenizer, index, cfg.rollout, sync_timeout_s=cfg.controller.timeout_s,
-                      probe_ids=tokenizer.encode(PROBE_TEXT),
-                      recovery=exts.first("engine_recovery", restart_engine) if restart_engine else None,
-                      env_wrappers=functools.reduce(lambda f, g: lambda env: g(f(env)), wrappers)
-                      if wrappers else None, scorer=exts.first("scorer", index, buffer),
-                      deadline=exts.first("env_deadline"),
-                      finisher=exts.chain("sample_finisher", index, buffer))   # (a teacher's log-probs, ...)
-
-
 def run_trainer(cfg: Config, exts, rank: int, device: str, trainer_group, store, model_dir: str, state,
                 buffer_addr, base_dir: str):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     attempt = f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # (as init_distributed's)
-    def model_built():              # (ipc: the engines start once the trainers hold their models)
-        if getattr(TRANSPORTS[cfg.weight_transport], "engines_after_trainers", False):
-            collective("the trainer ranks' models built, before the engines start", dist.barrier)
     ranks = trainer_ranks(cfg, exts, rank, device, trainer_group, model_dir, state, base_dir, tokenizer,
                           mailbox=dist.PrefixStore(f"{attempt}/trainer-ranks", store),
-                          model_built=model_built, host=os.environ["MASTER_ADDR"],
-                          port=int(os.environ["MASTER_PORT"]), store=store, prefix=attempt)
+                          host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), store=store,
+                          prefix=attempt)
     if rank != 0:
         gc.freeze()          # start-up's objects out of the collector's sight (run_rollout says why)
         return ranks.follow()
@@ -240,30 +189,24 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
     for args in exts.call("engine_args", model_dir, device, who):     # (LoRA, --colocate's sleep mode)
         engine.update(args)
 
-    async def restart_engine():   # after an engine failure (ext/recovery.py): a fresh one, same settings
-        return await VLLMEngine.start_async(model_dir, startup, who, **engine)
+    async def start_engine():     # vLLM's, or an extension's (ext/torch_engine.py); also after an engine
+        own = exts.first("rollout_engine", model_dir, who, engine)    # failure (ext/recovery.py): a fresh one
+        return await (own or VLLMEngine.start_async(model_dir, startup, who, **engine))
 
     async def main():
         t = time.time()
         # the engine first: it starts while the trainer ranks build their models; trainer rank 0 serves
         # the queues once it holds its model, so the connect after this may wait for that
-        proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=timeout, startup_timeout_s=startup,
-                                          **engine)
+        proxy = LLMProxy(await start_engine(), rank=index, timeout_s=timeout)
         proxy.version = state["version"] if state else 0
         try:
-            try:
-                queues = await asyncio.to_thread(ManagerQueues.connect, *buffer_addr, cfg.rollout_gpus,
-                                                 startup, who)
-            except TimeoutError as e:
-                raise TimeoutError(f"{e}; the wait is --startup-timeout-s") from None
-            buffer = SampleBuffer(queues, who, timeout)
+            queues = ManagerQueues.connect, *buffer_addr, cfg.rollout_gpus, startup, who
+            buffer = SampleBuffer(await asyncio.to_thread(*queues), who, timeout)
             await proxy.generate(tokenizer.encode(PROBE_TEXT), Sampling(max_tokens=2))   # warm-up: paid once
-            # torch, transformers and vLLM leave ~600k objects that live as long as the process, and
-            # every full collection walks them all (~0.3 s each: measured 8 in 40 default steps, a
-            # quarter of this rank's CPU); frozen, the collector walks only what the run makes
-            gc.freeze()
+            gc.freeze()    # torch's, transformers' and vLLM's ~600k lifelong objects out of the collector's
+            # sight: a full collection walked them all (~0.3 s each, 8 in 40 default steps: 1/4 of the CPU)
             exts.call("on_proxy", proxy, index, t)              # (the timeline's recorder)
-            await env_manager(cfg, exts, proxy, buffer, tokenizer, index, restart_engine).run()
+            await for_rank(cfg, exts, proxy, buffer, tokenizer, index, start_engine).run()
         finally:
             proxy.shutdown()
 
@@ -271,65 +214,45 @@ def run_rollout(cfg: Config, exts, rank: int, device: str, model_dir: str, state
 
 
 # ---------------------------------------------------------------------------------------------
-# the whole system in one process: python train.py, no torchrun (docs/tour.md steps through it)
-
-
-ONE_PROCESS = ("train.py: one process (no torchrun): the controller, one env manager and the trainer on one "
-               "event loop, with a plain-torch engine (ext/torch_engine.py) in vLLM's place; rollout and "
-               "training take turns here. The real system: bash run.sh, or torchrun --nproc-per-node 2 "
-               "train.py --rollout-gpus 1 --train-gpus 1")
-
-
-def one_process_config(cfg: Config) -> Config:
-    """The one-process run's settings: one engine and one trainer rank, the weights handed over in process."""
-    if cfg.rollout_gpus != 1 or cfg.train_gpus != 1:
-        sys.exit(f"train.py: one process runs one engine and one trainer (--rollout-gpus 1 --train-gpus 1), "
-                 f"not {cfg.rollout_gpus} and {cfg.train_gpus}: launch with torchrun for more, e.g.\n"
-                 f"  torchrun --nproc-per-node {cfg.rollout_gpus + cfg.train_gpus} train.py --rollout-gpus "
-                 f"{cfg.rollout_gpus} --train-gpus {cfg.train_gpus}")
-    if cfg.weight_transport not in ("auto", "group", "inprocess"):
-        sys.exit(f"train.py: one process hands the weights over in process: --weight-transport "
-                 f"{cfg.weight_transport} needs torchrun")
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)      # (engine and trainer take turns on one thread: torch's own threads
-    return dataclasses.replace(cfg, weight_transport="inprocess")      # spin against it, many times slower)
-
-
-def run_one_process(cfg: Config, exts, model_dir: str, state, base_dir: str):
-    """The trainer's side and one rollout rank's side of the run, as train.py's ranks compose them, on one
-    event loop over in-process queues: rl_loop beside the EnvManager, whose engine is the extensions'
-    plain-torch one (ext/torch_engine.py). What differs from the real run: a training step blocks the loop,
-    so rollout waits while the trainer trains (no overlap; the async ratio still lets rollout run ahead
-    between steps, and versions and staleness mean what they mean there); the weights pass in process."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ranks = trainer_ranks(cfg, exts, 0, "cpu", None, model_dir, state, base_dir, tokenizer)
-    buffer = SampleBuffer(LocalQueues(1), "one process", cfg.controller.timeout_s)
-    ctrl, log, backend, send, layout = controller_side(cfg, exts, ranks, buffer, tokenizer, state)
-    engine = exts.first("one_process_engine", model_dir, cfg)
-    if engine is None:
-        sys.exit("train.py: no engine for one process (ext/torch_engine.py is missing): launch with torchrun")
-    proxy = LLMProxy(engine, rank=0, timeout_s=cfg.controller.timeout_s)
-    proxy.version = state["version"] if state else 0
-    manager = env_manager(cfg, exts, proxy, buffer, tokenizer, 0)
-
-    async def both():
-        rollout = asyncio.create_task(manager.run(), name="rollout rank 0")
-        training = asyncio.create_task(rl_loop(cfg, exts, ctrl, ranks, log, backend, send, layout,
-                                               ranks.sender.spec(0, 1), state), name="trainer rank 0")
-        done, _ = await asyncio.wait({rollout, training}, return_when=asyncio.FIRST_EXCEPTION)
-        if rollout in done and rollout.exception() is not None:     # a crashed rollout side ends the run
-            training.cancel()
-        await asyncio.gather(training, rollout)       # (rl_loop ends by stopping the env manager)
-    try:
-        asyncio.run(both())
-    finally:
-        log.close()
-        proxy.shutdown()
-
-
-# ---------------------------------------------------------------------------------------------
 # launch
+
+
+def checked(cfg: Config) -> tuple[Config, dict | None]:
+    """Before any process starts: the run dir (a resume's state), the model dir, the data; a resumed run
+    goes on with the model it started from. Exits naming the problem. -> (cfg, state or None)."""
+    state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
+    if cfg.model and not state:       # (a resumed run loads its own checkpoint)
+        check_model_dir(cfg.model)
+    cfg.data.check()                  # (a bad row: its file and line)
+    if state and not cfg.model:     # what the checkpoint records: the model the run started from
+        cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
+    return cfg, state
+
+
+def resolved(cfg: Config, exts, state, rank: int, world: int, device: str, barrier=lambda: None):
+    """The model dirs (the embedded model built by rank 0 first: barrier() waits for it) and every setting
+    that depends on them; rank 0 prints the start line. -> (cfg, model_dir, base_dir)."""
+    base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
+    if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)
+        import tiny_model
+        build = exts.first("embedded_model") or tiny_model.ensure_tiny_model
+        if rank == 0:
+            build(log=print0)
+        barrier()
+        base_dir = str(build(log=lambda *a: None))
+    ckpt = str(Path(cfg.out_dir) / "checkpoint") if state else ""    # (resumed: an extension may say
+    model_dir = exts.first("start_from", base_dir, ckpt, state) or ckpt or base_dir   # otherwise: LoRA's)
+    if not (Path(model_dir) / "config.json").exists():
+        raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
+    cfg = exts.resolve(cfg)                                                     # (--env calc's replies, ...)
+    rollout = cfg.rollout.resolved(model_dir, device, not cfg.model)                 # context, dtype
+    cfg = exts.update(dataclasses.replace(cfg, rollout=rollout, train=cfg.train.resolved(device)))
+    if rank == 0:
+        start_metrics(cfg.out_dir, state)          # (a resume: the rows past its checkpoint go)
+        print0(start_line(cfg, world, model_dir, device, state))
+        for lines in exts.call("startup_lines", model_dir, device):        # (the memory plan)
+            print0(lines)
+    return cfg, model_dir, base_dir
 
 
 def main():
@@ -340,50 +263,18 @@ def main():
     if cfg.print_world_size:          # (run.sh: torchrun's --nproc-per-node for these flags)
         return print(cfg.train_gpus + cfg.rollout_gpus + extra)
     exts.call("before_launch")        # (library logs at warning level; --dry-run: the memory plan, then exit)
-    one = "WORLD_SIZE" not in os.environ       # not under torchrun: the whole system in one process
-    if one:
-        print(ONE_PROCESS, flush=True)
-        if extra:
-            sys.exit(f"train.py: the extensions' {extra} more engines (--teacher-gpus, ...) need torchrun: "
-                     f"bash run.sh with the same flags starts them")
-    else:
-        die_with_parent()             # a rank ends with torchrun, even if torchrun is SIGKILLed
-    state = check_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, cfg.steps, cfg.train_gpus, cfg.model)
-    if cfg.model and not state:       # (a resumed run loads its own checkpoint)
-        check_model_dir(cfg.model)
-    cfg.data.check()                  # (a bad row: its file and line)
-    if state and not cfg.model:     # what the checkpoint records: the model the run started from
-        cfg = dataclasses.replace(cfg, model=state.get("config", {}).get("model", ""))
-    if one:
-        cfg = exts.update(one_process_config(cfg))
-        rank, world, device, engine_core, trainer_group, store = 0, 1, "cpu", "", None, None
-    else:
-        rank, world, device, engine_core, trainer_group, store = init_distributed(cfg, extra)
+    if "WORLD_SIZE" not in os.environ:          # not under torchrun: the whole system in one process
+        alone = exts.first("without_torchrun")  # (ext/one_process.py, given this module's pieces)
+        if alone is None:
+            sys.exit("train.py: launch with torchrun, e.g.\n  torchrun --nproc-per-node 2 train.py "
+                     "--rollout-gpus 1 --train-gpus 1")
+        return alone(cfg, exts, extra, sys.modules[__name__])
+    die_with_parent()                 # a rank ends with torchrun, even if torchrun is SIGKILLed
+    cfg, state = checked(cfg)
+    rank, world, device, engine_core, trainer_group, store = init_distributed(cfg, extra)
     try:
-        base_dir = cfg.model          # the model the run started from (--kl-coef's reference)
-        if not base_dir:              # the embedded model (an env's own: --env calc's calls the calculator)
-            import tiny_model
-            build = exts.first("embedded_model") or tiny_model.ensure_tiny_model
-            if rank == 0:
-                build(log=print0)
-            if not one:
-                collective("waiting for rank 0 to build the tiny model", dist.barrier)
-            base_dir = str(build(log=lambda *a: None))
-        ckpt = str(Path(cfg.out_dir) / "checkpoint") if state else ""
-        # a resumed run starts from its checkpoint (an extension may say otherwise: LoRA's base + adapter)
-        model_dir = exts.first("start_from", base_dir, ckpt, state) or ckpt or base_dir
-        if not (Path(model_dir) / "config.json").exists():
-            raise SystemExit(f"--model {model_dir}: not a Hugging Face model dir (no config.json)")
-        cfg = exts.resolve(cfg)                                                 # (--env calc's replies, ...)
-        rollout = cfg.rollout.resolved(model_dir, device, not cfg.model)             # context, dtype
-        cfg = exts.update(dataclasses.replace(cfg, rollout=rollout, train=cfg.train.resolved(device)))
-        if rank == 0:
-            start_metrics(cfg.out_dir, state)          # (a resume: the rows past its checkpoint go)
-            print0(start_line(cfg, world, model_dir, device, state))
-            for lines in exts.call("startup_lines", model_dir, device):        # (the memory plan)
-                print0(lines)
-        if one:
-            return run_one_process(cfg, exts, model_dir, state, base_dir)
+        cfg, model_dir, base_dir = resolved(cfg, exts, state, rank, world, device, lambda: collective(
+            "waiting for rank 0 to build the tiny model", dist.barrier))
         # the queue server's address and key, shared through the default group
         addr = [(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, secrets.token_bytes(16))]
         collective("sharing the queue server's address", dist.broadcast_object_list, addr, src=0)

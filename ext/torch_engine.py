@@ -335,7 +335,7 @@ class TorchEngine:
 
 
 # ---------------------------------------------------------------------------------------------
-# the one-process run's weight transport, and the hook that hands train.py this engine
+# the one-process run's weight transport (ext/one_process.py)
 
 HANDOFF: queue.Queue = queue.Queue()    # trainer sender -> engine, in one process: (sync number, weights)
 
@@ -371,14 +371,3 @@ class InProcessTransport:
 
 
 TRANSPORTS["inprocess"] = InProcessTransport()
-
-
-@extension
-class OneProcess(Extension):
-    """python train.py without torchrun: this engine, where a rollout rank runs vLLM."""
-    name = "torch_engine"
-
-    def one_process_engine(self, model_dir: str, cfg):
-        rc = cfg.rollout
-        return TorchEngine.from_dir(model_dir, max_num_seqs=rc.max_concurrency, seed=cfg.train.seed,
-                                    max_model_len=rc.max_model_len)

@@ -76,11 +76,12 @@ def _reward_worker(conn, spec: str):
 class RewardPool:
     """`workers` verifier processes. score() sends one call to an idle worker and waits at most
     its deadline: a worker still busy then is killed (SIGKILL) and replaced, and the call scores 0.0
-    (counted in `timeouts`): a pathological input cannot hang the rank. A verifier that raises fails the
-    call (RuntimeError, counted in `errors`): its sample fails, as with an inline verifier. The deadline is timeout_s, or
-    with timeout_factor > 0 the adaptive one (ext/deadlines.py's RewardDeadline: min(max(timeout_min_s,
-    timeout_factor x the slowest correct answer so far), timeout_s)). Workers are spawned (not
-    forked: the rollout rank has threads) and end with the pool, or with this process.
+    (counted in `timeouts`): a pathological input cannot hang the rank. A verifier that raises fails
+    the call (RuntimeError, counted in `errors`): its sample fails, as with an inline verifier. The
+    deadline is timeout_s, or with timeout_factor > 0 the adaptive one (ext/deadlines.py's
+    RewardDeadline: min(max(timeout_min_s, timeout_factor x the slowest correct answer so far),
+    timeout_s)). Workers are spawned (not forked: the rollout rank has threads) and end with the pool,
+    or with this process.
 
     A worker is idle only when no answer of it is in flight. Every call carries an id that the
     worker echoes, and answers with another id are dropped. A cancelled call (a stale abort, a
@@ -189,7 +190,7 @@ class RewardPool:
             self._replace(worker)
             return 0.0
         self.idle.put_nowait(worker)
-        if isinstance(out, Exception):    # (a failed sample, as an inline verifier's: a bug is not a wrong answer)
+        if isinstance(out, Exception):    # (a bug, not a wrong answer: the sample fails, as inline)
             self.errors += 1
             raise RuntimeError(f"the verifier {self.spec or '(the task verifier)'} raised {out}")
         self.deadline.record(asyncio.get_running_loop().time() - t0, out)

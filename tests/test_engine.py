@@ -88,7 +88,7 @@ def test_sampling_temperature_logprobs_are_of_the_distribution_sampled(vllm_prox
     T = 1 on both sides (the engine scores it as prompt logprobs, which vLLM takes from the raw logits)."""
     from buffer import Sample
     from trainer import TrainConfig, Trainer, collate
-    from ranks import PROBE_TEXT
+    from buffer import PROBE_TEXT
     model, tok = hf
     lt, proxy = vllm_proxy
     prompts = [tok.encode(p) for p in ["12+34=", "7+5=", "305+99=", "1+1="]]

@@ -78,7 +78,7 @@ def test_weight_transport_flags(capsys):
                           (["--weight-transport", "ipc", "--rollout-gpus", "2"],
                            "--weight-transport ipc: .* needs --rollout-gpus == --train-gpus"),
                           (["--weight-transport", "nccl"],
-                           "--weight-transport must be auto, group, ipc or inprocess")):
+                           "--weight-transport must be one of auto, group, ipc, inprocess")):
         with pytest.raises(SystemExit):
             parse_cli(Config, args)
         assert re.search(message, capsys.readouterr().err), args

@@ -144,7 +144,7 @@ def test_adapter_only_sync_reaches_the_engine_and_kept_requests_switch_to_it(tin
     from test_engine import ref_logprobs, wait_for_tokens
     from tools.local import push
     from weight_sync import Sender
-    from ranks import PROBE_TEXT
+    from buffer import PROBE_TEXT
     from transformers import AutoTokenizer
 
     probe = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROBE_TEXT)

@@ -24,12 +24,12 @@ def test_the_whole_system_runs_in_one_process_without_vllm(tmp_path, tiny_model_
     """6 steps: the first line says which mode this is and how to launch the real system; every step trains
     a batch of the async ratio's staleness at most, and every sync's probe finds the engine holding the
     trainer's weights (the weights passed in process); a checkpoint is written."""
-    import train
+    from ext.one_process import ONE_PROCESS
     out = tmp_path / "one"
     r = run("-c", NO_VLLM, "--steps", "6", "--out-dir", str(out), "--batch-groups", "4", "--group-size", "4",
             "--check-sync-every", "1", "--save-every", "0")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert r.stdout.splitlines()[0] == train.ONE_PROCESS
+    assert r.stdout.splitlines()[0] == ONE_PROCESS
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == list(range(1, 7)) and all(x["num_samples"] == 16 for x in rows)
     assert all(x["staleness_max"] <= 2 for x in rows)
@@ -63,6 +63,7 @@ def test_a_verifier_that_always_raises_stops_the_run_and_keeps_its_last_checkpoi
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
     assert ("64 of the last 64 samples failed (at least --max-failed-share 0.95 of them)" in r.stderr
             and "64 x rollout rank 0: env 'single-turn' step 0" in r.stderr
-            and "the verifier tests.reward_fixtures:always_raises raised ValueError" in r.stderr), r.stderr[-3000:]
+            and "the verifier tests.reward_fixtures:always_raises raised ValueError" in r.stderr), \
+        r.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in (out / "checkpoint").iterdir() if p.is_file()} == before
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -125,20 +125,18 @@ def test_a_rollout_rank_starts_its_engine_before_it_connects_to_the_queue_server
     built: engine start and trainer build overlap. The connect then waits up to --startup-timeout-s."""
     import train
     from config import Extensions, parse_cli
-    from proxy import LLMProxy
     from tiny_model import build_tokenizer
+    from vllm_engine import VLLMEngine
     build_tokenizer().save_pretrained(tmp_path)             # all run_rollout reads from the model dir here
     seen = []
 
-    class Proxy:
-        version = 0
-
+    class Engine:
         def shutdown(self):
             seen.append("engine shut down")
 
-    async def start_vllm(model_dir, **kw):
-        seen.append(("engine start", kw["startup_timeout_s"]))
-        return Proxy()
+    async def start_async(model_dir, timeout_s, who, **kw):
+        seen.append(("engine start", timeout_s))
+        return Engine()
 
     class Reached(Exception):
         pass
@@ -146,7 +144,7 @@ def test_a_rollout_rank_starts_its_engine_before_it_connects_to_the_queue_server
     def connect(host, port, authkey, num_ranks, timeout_s, who):
         seen.append(("connect", timeout_s, who))
         raise Reached
-    monkeypatch.setattr(LLMProxy, "start_vllm", staticmethod(start_vllm))
+    monkeypatch.setattr(VLLMEngine, "start_async", staticmethod(start_async))
     monkeypatch.setattr(ManagerQueues, "connect", staticmethod(connect))
     cfg = parse_cli(train.Config, ["--startup-timeout-s", "1234", "--max-events", "0"])
     with pytest.raises(Reached):

@@ -253,7 +253,7 @@ def test_abort_pause_abort_and_a_closed_stream_end_requests(tiny_model_dir, hf):
 def test_score_equals_the_trainers_probe_and_follows_loads(tiny_model_dir, hf):
     """score() is Trainer.probe_logprobs within 1e-5, before and after the trainer's weights move and are
     loaded; a load while a request runs unpaused, a wrong name or shape, or a missing weight is refused."""
-    from ranks import PROBE_TEXT
+    from buffer import PROBE_TEXT
     probe = hf[1].encode(PROBE_TEXT)
     tr = Trainer(str(tiny_model_dir), TrainConfig())
     engine = TorchEngine.from_dir(tiny_model_dir)

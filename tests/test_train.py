@@ -273,7 +273,7 @@ def test_lora_with_tail_batching_and_the_streaming_trainer_syncs_only_the_adapte
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trainer import token_logprobs
-    from ranks import PROBE_TEXT
+    from buffer import PROBE_TEXT
     base_dir = json.loads((ck / "adapter_config.json").read_text())["base_model_name_or_path"]
     ids = torch.tensor([AutoTokenizer.from_pretrained(base_dir).encode(PROBE_TEXT)])
     with torch.no_grad():
