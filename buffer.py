@@ -187,6 +187,16 @@ def die_with_parent(sig: int = signal.SIGKILL, watch: bool = False):
         os.kill(os.getpid(), sig)
 
 
+def now() -> float:
+    """The one clock every timeout and duration of the loop reads: the running event loop's time (outside a
+    loop, time.monotonic()). Real time in a run, virtual under a fast-forwarded loop (looptime: the unit
+    tests and tools/sim.py), so the same code's waits and timings hold in both."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 QUEUE_NAMES = ("tasks", "samples", "acks")
 PROBE_TEXT = "123+456=579"   # the weight-sync probe (READY, SYNCED): any text the model's vocab covers
 
@@ -519,10 +529,6 @@ class SampleBuffer:
         if samples:
             await self._bounded(self.transport.put_many("samples", samples), "put samples")
 
-    def get_command_nowait(self, rank: int) -> Command | None:
-        got = self.transport.get_many_nowait("commands", 1, rank)
-        return got[0] if got else None
-
     def get_acks_nowait(self) -> list[Ack]:
         return self.transport.get_many_nowait("acks", self.MAX_BATCH)
 
@@ -572,7 +578,7 @@ class GroupAssembler:
     - defer() gives up on a group that is not complete (tail batching: its prompt runs again in a long
       round).
     Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or one of
-    the counters (samples_filtered, samples_surplus, samples_<Lost>); a sample that arrives for a lost group
+    the counters (groups_filtered x group_size, samples_surplus, samples_<Lost>); a sample that arrives for a lost group
     is counted under that group's reason, a failed one or a notice under its own. Every group ends once:
     taken, filtered, or groups_<Lost>.
     The ids of resolved groups (closed or lost) are forgotten FORGET_AFTER versions past the freshness
@@ -599,7 +605,6 @@ class GroupAssembler:
         # (version, id) into closed/lost; id -> its latest such version
         self.resolved: collections.deque[tuple[int, str]] = collections.deque()
         self.resolved_at: dict[str, int] = {}
-        self.samples_filtered = 0
         self.samples_surplus = 0
         self.groups_completed = 0         # groups that reached group_size samples (kept or filtered)
         self.groups_filtered = 0
@@ -670,7 +675,6 @@ class GroupAssembler:
             self._resolve(gid, version)
             if self.filter_groups and len({x.reward for x in group}) == 1:
                 self.groups_filtered += 1
-                self.samples_filtered += len(group)
                 self.last_filtered = group
             else:
                 self.ready.append(group)

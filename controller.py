@@ -30,8 +30,7 @@ import torch
 
 import runlog
 from buffer import (ORDERS, Ack, Cmd, Command, Freshness, GroupAssembler, Lost, Phase, RolloutTask,
-                    SampleBuffer)
-from clock import now   # event-loop time: real in train.py, virtual in tools/sim.py
+                    SampleBuffer, now)
 from config import check, flag, opt
 from losses import estimate_advantages
 from task import Problem

@@ -21,8 +21,7 @@ import collections
 import functools
 import math
 
-from buffer import PROBE_TEXT, Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample
-from clock import now
+from buffer import PROBE_TEXT, Ack, Cmd, Command, Freshness, Lost, Phase, RolloutTask, Sample, now
 from proxy import EngineError, Status
 from rollout import (ENVS, RANK_STATS, Aborted, FixedDeadline, PromptFormat, RolloutConfig, Trajectory,
                      env_seed, inline_reward, run_trajectory)

@@ -269,8 +269,12 @@ VARIANTS = tuple(LOSSES)     # (the registry's names, in --loss's help order; mo
 # mb["adv"] as it is.
 ADV_SHAPERS: dict = {}
 
-SHARED = ("clip_low", "clip_high", "dual_clip", "is_correction", "is_level", "is_cap", "icepop_low",
-          "icepop_high")      # LossConfig's fields that are compute_policy_loss's keywords as they are
+SHARED = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", is_correction="none",
+              is_level="token", is_cap=2.0, icepop_low=0.5, icepop_high=5.0)
+# compute_policy_loss's shared keywords and their defaults: PPO's clip range (ratio in [1 - clip_low, 1 +
+# clip_high]) and dual clip (for A < 0 the loss is at most -dual_clip A; None or 0: off), the aggregation,
+# and the rollout correction (needs prox_logp): its mode, level, tis/mis cap and icepop's band.
+# LossConfig's fields of these names (loss_agg for agg) are the flags.
 
 
 @dataclass
@@ -304,7 +308,7 @@ class LossConfig:
             raise ValueError(f"--adv-estimator {self.adv_estimator!r}: known: {', '.join(ADV_ESTIMATORS)}")
         check(self, at_least=dict(kl_coef=0), below=dict(kl_coef=float("inf")),
               one_of=dict(loss_agg=(*AGG_MODES, "auto"), loss=tuple(LOSSES)))
-        check_hparams(**{n: getattr(self, n) for n in SHARED}, agg=self.agg)
+        check_hparams(**{n: getattr(self, n) for n in SHARED if n != "agg"}, agg=self.agg)
 
     @property
     def agg(self) -> str:
@@ -316,101 +320,99 @@ class LossConfig:
     def loss_kwargs(self) -> dict:
         """compute_policy_loss's keywords for this config's loss: the shared ones and the loss's own."""
         own = self.hparams.get(self.loss)
-        return {**{n: getattr(self, n) for n in SHARED}, "agg": self.agg,
+        return {**{n: getattr(self, n) for n in SHARED if n != "agg"}, "agg": self.agg,
                 **(dataclasses.asdict(own) if own else {})}
 
 
-def compute_policy_loss(
-    logp: torch.Tensor,          # [B, T] current policy logprobs of the sampled tokens (with grad)
-    old_logp: torch.Tensor,      # [B, T] behaviour logprobs recorded by the rollout engine
-    advantages: torch.Tensor,    # [B] (one per sequence) or [B, T] (one per token)
-    mask: torch.Tensor,          # [B, T] 1 on response tokens that count, 0 elsewhere
-    variant: str,
-    *,
-    prox_logp: torch.Tensor | None = None,  # [B, T] trainer logprobs before this update (decoupled_ppo)
-    fields: dict | None = None,  # name -> [B, T] per-token values (Terms.fields: version, lag, token_fields)
-    clip_low: float = 0.2,       # PPO (ppo, decoupled_ppo): ratio >= 1 - clip_low
-    clip_high: float = 0.2,      # PPO: ratio <= 1 + clip_high
-    dual_clip: float | None = None,  # PPO: for A < 0 the loss is at most -dual_clip * A (None or 0: off)
-    agg: str = "token-mean",     # "token-mean" or "seq-mean-token-mean"
-    is_correction: str = "none",  # rollout correction on top: none | tis | mis | icepop (needs prox_logp)
-    is_level: str = "token",     # its ratio per token or per sequence
-    is_cap: float = 2.0,         # tis: w <= is_cap; mis: kept inside [1 / is_cap, is_cap]
-    icepop_low: float = 0.5,     # icepop: kept inside [icepop_low, icepop_high]
-    icepop_high: float = 5.0,
-    ref_prox: bool = False,      # the ratio's old policy is pi_prox, not mu (--recompute-old-logprobs)
-    **own,                       # the loss's own hyperparameters (@loss(hparams=...)): tis_cap=1.5, ...; any
-                                 # loss's are accepted (its dataclass checks them when that loss runs)
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scalar loss to minimise (with the gradient through `logp`) and a dict of float metrics."""
+def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, variant: str, *, prox_logp: torch.Tensor | None = None,
+                        fields: dict | None = None, ref_prox: bool = False,
+                        **hparams) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scalar loss to minimise (its gradient through logp) and float metrics.
+
+    logp [B, T]: pi's log-probs of the sampled tokens, with grad; old_logp [B, T]: mu's, the engine's;
+    advantages [B] (per sequence) or [B, T] (per token); mask [B, T]: 1 on the tokens that count;
+    prox_logp [B, T]: pi_prox, the trainer before this update (decoupled_ppo, a correction, ref_prox);
+    fields: name -> [B, T] per-token values (Terms.fields); ref_prox: the ratio's old policy is pi_prox,
+    not mu (--recompute-old-logprobs); hparams: SHARED's (defaults there) and the loss's own."""
+    fn, hp = _hparams(variant, hparams)
+    t, mu, corrected = _terms(fn, hp, logp, old_logp, advantages, mask, prox_logp, fields or {}, ref_prox)
+    loss_tok, extra = fn(t)                                        # [B, T]: the loss's own formula
+    if t.corr_w is not None and not fn.own_correction:
+        loss_tok = t.corr_w * loss_tok                             # the rollout correction's weight
+    loss = _aggregate(torch.where(t.m, loss_tok, 0.0), t.m, hp["agg"])
+    return loss, _metrics(t, mu, extra, corrected)
+
+
+def _hparams(variant: str, given: dict) -> tuple:
+    """(the loss, its hyperparameters: the shared ones and its own, checked)."""
     if variant not in LOSSES:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(LOSSES)}")
     fn = LOSSES[variant]
     declared = {f.name for g in LOSSES.values() if g.hparams for f in dataclasses.fields(g.hparams)}
-    if unknown := [k for k in own if k not in declared]:
+    if unknown := [k for k in given if k not in declared and k not in SHARED]:
         raise TypeError(f"compute_policy_loss() got an unexpected keyword argument {unknown[0]!r}")
-    mine = {f.name for f in dataclasses.fields(fn.hparams)} if fn.hparams else ()     # (its dataclass checks)
-    own = dataclasses.asdict(fn.hparams(**{k: v for k, v in own.items() if k in mine})) if fn.hparams else {}
-    check_hparams(clip_low, clip_high, dual_clip, is_correction, is_level, is_cap, icepop_low, icepop_high,
-                  agg)
-    fields = fields or {}
+    mine = {f.name for f in dataclasses.fields(fn.hparams)} if fn.hparams else ()
+    own = dataclasses.asdict(fn.hparams(**{k: given[k] for k in mine if k in given})) if fn.hparams else {}
+    hp = {**SHARED, **{k: v for k, v in given.items() if k in SHARED}, **own}
+    check_hparams(**{k: hp[k] for k in SHARED})
+    return fn, hp
+
+
+def _terms(fn, hp: dict, logp, old_logp, advantages, mask, prox_logp, fields: dict, ref_prox: bool):
+    """The loss's inputs (Terms): [B, T], float32 at least, zeroed where masked before any arithmetic, so
+    nothing there reaches the loss or its gradient. Also mu (the engine's log-probs, for approx_kl) and the
+    tokens the rollout correction changed (None: no correction)."""
     _check_shapes(logp, old_logp, advantages, mask, prox_logp, fields)
-    correct = is_correction != "none"
+    correct = hp["is_correction"] != "none"
     if (fn.needs_prox or correct or ref_prox) and prox_logp is None:
-        who = (f"--is-correction {is_correction}" if correct else "ref_prox=True" if ref_prox
-               else f"variant {variant}")
+        who = (f"--is-correction {hp['is_correction']}" if correct else "ref_prox=True" if ref_prox
+               else f"variant {fn.__name__}")
         raise ValueError(f"{who} needs prox_logp= (the trainer's logprobs of the sampled tokens under the "
                          f"weights before this update)")
-
     m = mask != 0                                                  # [B, T] bool
     dt = torch.promote_types(logp.dtype, torch.float32)            # bf16 / fp16 inputs: math in fp32
-    # Masked positions are zeroed before any arithmetic, so nothing there can reach loss or gradient.
-    lp = torch.where(m, logp.to(dt), 0.0)                          # [B, T]
-    old = torch.where(m, old_logp.detach().to(dt), 0.0)            # [B, T]
-    adv = advantages.detach().to(dt)
-    A = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, 0.0)  # [B, T]
-    prox = torch.where(m, prox_logp.detach().to(dt), 0.0) if prox_logp is not None else None   # [B, T]
-    per_token = Fields({k: torch.where(m, v.detach().to(dt), 0.0) for k, v in fields.items()}, m)
-    mu = old                                                       # [B, T] the engine's, for approx_kl
-    corr_w = None
+
+    def masked(x):
+        return torch.where(m, x.to(dt), 0.0)
+
+    lp, mu = masked(logp), masked(old_logp.detach())
+    adv = advantages.detach()
+    A = masked(adv[:, None] if adv.dim() == 1 else adv)           # [B, T]
+    prox = masked(prox_logp.detach()) if prox_logp is not None else None
+    corr_w = corrected = None
     if correct:      # the correction covers mu -> pi_prox, the loss pi_prox -> pi
-        corr_w, corrected = rollout_correction(prox, old, m, is_correction, is_level, is_cap, icepop_low,
-                                               icepop_high)
-        mismatch = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # log pi_prox / mu
-    if correct or (ref_prox and not fn.own_correction):     # (decoupled_ppo: pi_prox and mu, its own)
-        old = prox
-    log_r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T]
-    r = log_r.exp()                                                # [B, T] pi / mu
-    hp = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, **own)
-    loss_tok, extra = fn(Terms(lp, old, prox, r, A, m, corr_w, hp, per_token))
-    clipped = extra.get("clipped", torch.zeros_like(m))            # [B, T] bool, for clip_frac
-    is_w = extra.get("is_w", torch.ones_like(r).detach())          # [B, T] stop-grad weight applied
-    capped = extra.get("capped", torch.zeros_like(m))              # [B, T] bool, dropped by behav_weight_cap
-    if correct and not fn.own_correction:
-        loss_tok = corr_w * loss_tok
-    loss_tok = torch.where(m, loss_tok, 0.0)                       # [B, T]
-    loss = _aggregate(loss_tok, m, agg)
+        corr_w, corrected = rollout_correction(prox, mu, m, hp["is_correction"], hp["is_level"], hp["is_cap"],
+                                               hp["icepop_low"], hp["icepop_high"])
+    # the ratio's old policy: pi_prox when corrected or recomputed (decoupled_ppo: both roles, its own)
+    old = prox if correct or (ref_prox and not fn.own_correction) else mu
+    r = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T] pi / old
+    per_token = Fields({k: masked(v.detach()) for k, v in fields.items()}, m)
+    return Terms(lp, old, prox, r, A, m, corr_w, hp, per_token), mu, corrected
 
-    with torch.no_grad():
-        count = m.sum().clamp(min=1)
-        log_r_mu = (lp - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)    # [B, T] log pi / mu
 
-        def mean(x):  # masked mean over the batch, as a Python float
-            return (torch.where(m, x, 0.0).sum() / count).item()
+@torch.no_grad()
+def _metrics(t: Terms, mu: torch.Tensor, extra: dict, corrected) -> dict[str, float]:
+    """Masked means over the batch of what the loss reported (extra: clipped, is_w, capped) and the ratios;
+    approx_kl is k3's KL(mu || pi) with mu the engine's, also when corrected."""
+    m, r, count = t.m, t.r, t.m.sum().clamp(min=1)
 
-        metrics = {
-            "clip_frac": mean(clipped.to(r.dtype)),
-            "ratio_mean": mean(r),
-            "ratio_max": torch.where(m, r, 0.0).max().item() if m.numel() else 0.0,
-            "is_weight_mean": mean(is_w),
-            "approx_kl": mean(log_r_mu.exp() - 1.0 - log_r_mu),     # mu: the engine's, also when corrected
-            "behav_capped_frac": mean(capped.to(r.dtype)),
-        }
-        if correct:   # k3 estimate of KL(mu || pi_prox): the engine/trainer mismatch, staleness included
-            metrics.update(mismatch_kl=mean(mismatch.exp() - 1.0 - mismatch),
-                           is_corrected_frac=mean(corrected.to(r.dtype)),
-                           is_weight_max=torch.where(m, corr_w, 0.0).max().item() if m.numel() else 0.0)
-    return loss, metrics
+    def mean(x):
+        return (torch.where(m, x.to(r.dtype), 0.0).sum() / count).item()
+
+    def most(x):
+        return torch.where(m, x, 0.0).max().item() if m.numel() else 0.0
+
+    log_r_mu = (t.lp - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)     # [B, T] log pi / mu
+    out = {"clip_frac": mean(extra.get("clipped", torch.zeros_like(m))), "ratio_mean": mean(r),
+           "ratio_max": most(r), "is_weight_mean": mean(extra.get("is_w", torch.ones_like(r))),
+           "approx_kl": mean(log_r_mu.exp() - 1.0 - log_r_mu),
+           "behav_capped_frac": mean(extra.get("capped", torch.zeros_like(m)))}
+    if corrected is not None:   # k3 of KL(mu || pi_prox): the engine/trainer mismatch, staleness included
+        mismatch = (t.prox - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        out.update(mismatch_kl=mean(mismatch.exp() - 1.0 - mismatch), is_corrected_frac=mean(corrected),
+                   is_weight_max=most(t.corr_w))
+    return out
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",

@@ -89,12 +89,6 @@ def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return parts
 
 
-def padded_share(parts: list[list[int]], lengths: list[int]) -> float:
-    """The share of the micro-batches' token slots (rows x longest) that is padding."""
-    slots = sum(len(p) * max(lengths[i] for i in p) for p in parts if p)
-    return 1.0 - sum(lengths) / max(slots, 1)
-
-
 def causal_lm(model):
     """The HF causal LM inside `model` (a PEFT model's base; LoRA layers are injected in place)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Iterable, Protocol, runtime_checkable
 
-from clock import now
+from buffer import now
 
 
 class EngineError(RuntimeError):

@@ -30,9 +30,8 @@ import numbers
 from dataclasses import dataclass, field
 
 import task
-from buffer import RolloutTask, Sample
+from buffer import RolloutTask, Sample, now
 from config import check, opt
-from clock import now
 from proxy import Sampling
 
 

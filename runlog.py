@@ -1,7 +1,7 @@
 """runlog.py: what a run records and prints on trainer rank 0: metrics.jsonl, the step line, the summary,
 and the controller's reports (its heartbeat, why a step stalls, the engines' numbers between acks).
 
-    log = RunLog(cfg, start_step, exts)             # trainer rank 0 (train.py)
+    log = RunLog(cfg, exts)                         # trainer rank 0 (train.py)
     ready = await log.starting(ctrl.wait_ready())   # says what start-up waits for, then "rollout ready"
     log.step(step, version, info, train, sync, time_train, time_step)  # row, hooks, progress line
     log.finish()                                    # the summary at the end
@@ -55,11 +55,10 @@ SUMMED = ("time_wait_rollout", "time_train", "time_weight_sync", "samples_droppe
 
 
 class RunLog:
-    def __init__(self, cfg, start_step: int = 0, exts=()):
+    def __init__(self, cfg, exts=()):
         self.cfg, self.exts = cfg, exts
         self.out = Path(cfg.out_dir)
         self.path = self.out / "metrics.jsonl"
-        self.start_step = start_step
         # this session's rows, bounded (a long run must not grow): the first and the last 10, sums
         self.num_rows = 0
         self.first: list[dict] = []

@@ -138,7 +138,7 @@ def controller_side(cfg: Config, exts, ranks: TrainerRanks, buffer: SampleBuffer
     if state:      # the run goes on: its stream position, group ids, and prompts in flight run first
         ctrl.restore(state)
     exts.call("on_controller", ctrl, state)            # (the timeline's events, a tracker, evaluation)
-    log = RunLog(cfg, state["step"] if state else 0, exts)
+    log = RunLog(cfg, exts)
     backend = (exts.first("train_backend", ranks, ranks.probe_due)        # (every trainer rank, in lockstep)
                or WholeBatch(ranks.train, cfg.controller.group_size, cfg.train.adv_estimator,
                              before=[functools.partial(e.before_train, ctrl) for e in exts]))

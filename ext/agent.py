@@ -66,7 +66,7 @@ from pathlib import Path
 
 from buffer import RolloutTask, Sample
 from config import Extension, extension, opt
-from clock import now
+from buffer import now
 from proxy import Completion, Sampling
 from rollout import (ENVS, RANK_STATS, Aborted, EnvFailure, FixedDeadline, PromptFormat, RolloutConfig,
                      Trajectory, finite_reward)

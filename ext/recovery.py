@@ -24,7 +24,7 @@ import asyncio
 
 from buffer import Ack, Phase
 from config import Extension, extension
-from clock import now
+from buffer import now
 from proxy import EngineError
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from config import Extension, extension, opt
 from losses import agg_count, estimate_advantages
 from model import pack_by_tokens
-from clock import now
+from buffer import now
 from ranks import OPS, TrainerRanks
 from runlog import print0
 

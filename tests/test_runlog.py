@@ -34,7 +34,7 @@ def make_log(tmp_path, *flags) -> RunLog:
     cfg = parse_cli(Config, ["--out-dir", str(tmp_path), *flags])
     exts = Extensions.start(cfg)
     exts.call("on_controller", SimpleNamespace(taps=[], events=None), None)
-    return RunLog(cfg, 0, exts)
+    return RunLog(cfg, exts)
 
 
 def step_args(i: int, time_step: float = 2.0, probe=None) -> tuple:

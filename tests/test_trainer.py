@@ -448,7 +448,8 @@ def test_token_budget_micro_batches_give_the_same_gradient(tiny_model_dir, agg):
     token slots): the gradient equals one sample per micro-batch, within 1e-6 (its largest entry is ~0.07;
     float32 batching alone puts 3e-7 between them: --micro-batch 8 is as far), and the packed micro-batches
     hold fewer padding slots than one micro-batch of all 8."""
-    from model import pack_by_tokens, padded_share
+    from model import pack_by_tokens
+    from tools.bench_trainer import padded_share
     samples = []
     for i, n in enumerate([3, 11, 5, 8, 2, 9, 14, 4]):
         samples += make_samples(tiny_model_dir, n=1, resp_len=n, seed=i)

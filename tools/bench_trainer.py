@@ -38,6 +38,12 @@ MODEL_103M = ROOT / ".cache" / "qwen2-103m"
 MiB = 1 << 20
 
 
+
+def padded_share(parts: list[list[int]], lengths: list[int]) -> float:
+    """The share of the micro-batches' token slots (rows x longest) that is padding."""
+    slots = sum(len(p) * max(lengths[i] for i in p) for p in parts if p)
+    return 1.0 - sum(lengths) / max(slots, 1)
+
 def _status(key: str) -> int:
     """/proc/self/status's key (VmRSS, VmHWM), bytes."""
     return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
@@ -264,7 +270,7 @@ def logprobs(args) -> dict:
 def packing(args) -> dict:
     import random
 
-    from model import pack_by_tokens, padded_share, split
+    from model import pack_by_tokens, split
     rng = random.Random(0)
     # prompt ~300 tokens + a lognormal response (median 1k, a long tail up to the 32k context)
     lengths = [min(32768, 300 + int(rng.lognormvariate(7.0, 1.2))) for _ in range(args.samples)]

@@ -11,7 +11,7 @@ import itertools
 
 from weight_sync import weight_layout
 
-from clock import now
+from buffer import now
 
 
 async def run_local(ctrl, managers: list, driver, timeout_s: float):
