@@ -51,3 +51,36 @@ def test_the_tool_counts_every_root_module():
     modules = sorted(p.name for p in ROOT.glob("*.py"))
     assert sorted(k for k in rows if k != "total") == modules
     assert int(rows["total"][0]) == sum(int(rows[m][0]) for m in modules)
+
+
+def test_the_core_keeps_its_budget():
+    """At most 4,000 code lines in at most 16 root files, train.py and README.md at most 300 lines each, and
+    no core line that names an extension's flag or reads its config (tools/core_lines.py's docstring)."""
+    from tools.core_lines import budget_errors
+    assert budget_errors() == []
+
+
+def test_the_budget_names_an_extra_root_file_a_long_train_py_and_an_extension_flag_in_the_core(tmp_path):
+    """budget_errors on copies of the core, each broken one way, names what broke it."""
+    import shutil
+
+    from tools.core_lines import budget_errors
+
+    def copy(name):
+        d = tmp_path / name
+        d.mkdir()
+        for p in [*ROOT.glob("*.py"), ROOT / "README.md"]:
+            shutil.copy(p, d / p.name)
+        return d
+    extra = copy("extra")
+    (extra / "extra.py").write_text("X = 1\n")
+    assert any("17 root .py files, over its budget of 16" in e and "extra.py" in e for e in budget_errors(extra))
+    long = copy("long")
+    (long / "train.py").write_text((long / "train.py").read_text() + "\n" * 300)
+    assert any(e.startswith("train.py has ") and "over its budget of 300" in e for e in budget_errors(long))
+    reads = copy("reads")
+    (reads / "task.py").write_text((reads / "task.py").read_text()
+                                   + '\n\ndef f(cfg):\n    return cfg.ext["lora"], "see --lora-rank"\n')
+    errors = budget_errors(reads)
+    assert any(e.startswith("task.py:") and "ext['lora']" in e for e in errors), errors
+    assert any(e.startswith("task.py:") and "the flag --lora-rank" in e for e in errors), errors
