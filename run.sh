@@ -3,6 +3,7 @@
 #   bash run.sh            train the embedded default: tiny model, addition task, async RL on CPU
 #   bash run.sh --steps 10 the same with train.py flags (bash run.sh train ARGS... too)
 #   bash run.sh test       the test suite (extra args go to pytest, e.g. -m "not engine")
+#   bash run.sh test fast  the quick tier: tests marked fast, at most 2 minutes
 #   bash run.sh setup      the setup alone (then: .venv/bin/python train.py, one process, no torchrun)
 # Setup: a venv in .venv from requirements.txt, skipped when the stamp for this requirements.txt
 # exists; the tiny model in .cache/tiny-qwen2, built on first use and then reused.
@@ -32,11 +33,14 @@ case "$cmd" in
     setup)
         ;;
     test)
+        # bash run.sh test fast [ARGS]: the quick tier (pytest -m fast, at most 2 minutes): the check after a
+        # change to one file; bash run.sh test [ARGS]: the whole suite
+        if [ "${1:-}" = fast ]; then shift; exec "$venv/bin/python" -m pytest -m fast "$@"; fi
         exec "$venv/bin/python" -m pytest "$@" ;;
     train)
         "$venv/bin/python" tiny_model.py --quiet
         # --teacher .cache/tiny-teacher: the embedded distillation teacher, built on first use too
-        if [[ " $* " == *"tiny-teacher"* ]]; then "$venv/bin/python" tiny_model.py --quiet --teacher; fi
+        if [[ " $* " == *"tiny-teacher"* ]]; then "$venv/bin/python" -m ext.distill --build --quiet; fi
         # --judge .cache/tiny-judge: the embedded LLM judge, the same
         if [[ " $* " == *"tiny-judge"* ]]; then "$venv/bin/python" -m ext.judge --build --quiet; fi
         # torchrun prints a banner when it has to set this itself; every rank runs one thread on its own core

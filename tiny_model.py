@@ -2,22 +2,27 @@
 
     python tiny_model.py                  # build (or reuse) .cache/tiny-qwen2, print size and accuracy
     python tiny_model.py --force          # rebuild
+    build_random(dir)                     # the same architecture and tokenizer, random weights, in seconds
 
 What lives here: a small Qwen2-architecture causal LM (4 layers, hidden 128, 2 heads of head_dim
 64) with a character-level tokenizer (CHARS), written as a Hugging Face model dir that vLLM and
 transformers both load; float32 weights, so engine and trainer logprobs agree to ~1e-6. A short
 supervised warm start on the default task (task.py) gives it some skill and is deliberately stopped
 early so RL has room to grow. Deterministic given the seed; cached, rebuilt only when missing or
-when the build settings change (a hash of them in build.json).
+when the build settings change (a hash of them in build.json). Builds of one dir in several processes at
+once do not clobber each other: each writes a private directory and moves it into place whole.
 
 Design notes: DESIGN.md#tiny_modelpy
 """
 
 import argparse
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -53,10 +58,6 @@ class TinyConfig:
 
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "tiny-qwen2"
-# a teacher for on-policy distillation (ext/distill.py): the same model and tokenizer, another seed, warm-
-# started four times as long, so it starts where RL on the default model would like to end (its build.json)
-TEACHER_DIR = DEFAULT_DIR.with_name("tiny-teacher")
-TEACHER = TinyConfig(seed=1, sft_steps=4000)
 
 # A chat template so the chat path (rollout.PromptFormat) runs on the embedded model too. It renders a
 # conversation as the plain text the model was warm-started on: every turn is just its text, no
@@ -161,6 +162,12 @@ def sample_accuracy(model, tokenizer, problems: list[task.Problem], greedy: bool
     return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
 
 
+def build_random(out_dir: str | Path, seed: int = 0, log=print) -> Path:
+    """The embedded model's architecture and tokenizer with random weights (no warm start), built (or reused)
+    in out_dir in a few seconds: a model for tests of the code around a model, not of what it learned."""
+    return ensure_tiny_model(out_dir, TinyConfig(seed=seed, sft_steps=0), log=log)
+
+
 def _build_hash(cfg: TinyConfig) -> str:
     d = asdict(cfg)
     for added_later in ("tool_frac", "init_from"):     # (unset: a build keeps the hash it always had)
@@ -169,15 +176,43 @@ def _build_hash(cfg: TinyConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _built(out_dir: Path, cfg: TinyConfig) -> bool:
+    """out_dir holds a complete build of cfg (build.json is written last, in the private dir)."""
+    try:
+        return json.loads((out_dir / "build.json").read_text()).get("hash") == _build_hash(cfg)
+    except FileNotFoundError:                # (none, or moved aside by another builder just now)
+        return False
+
+
+def _move_into_place(tmp: Path, out_dir: Path, cfg: TinyConfig, force: bool):
+    """The complete build in tmp becomes out_dir, whole (a rename). A complete build of the same settings that
+    another process moved there meanwhile is kept, and tmp dropped (unless force); a stale one is moved aside
+    to a private name first, then removed."""
+    while force or not _built(out_dir, cfg):
+        try:
+            os.rename(tmp, out_dir)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):      # (else: out_dir is there, not empty)
+                raise
+        old = out_dir.with_name(f"{out_dir.name}.old.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with contextlib.suppress(FileNotFoundError):                # (another builder moved it first)
+            os.rename(out_dir, old)
+            shutil.rmtree(old)
+        force = False                                        # (what was there is gone: ours or a new one)
+    shutil.rmtree(tmp, ignore_errors=True)                   # (another builder's, of the same settings)
+
+
 def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None = None,
                       force: bool = False, log=print, tool=None) -> Path:
-    """Return a built model dir, building it first when missing or stale. Safe against crashes:
-    the dir is written under a temporary name and renamed into place when complete. tool(problem) ->
-    segments: the transcript of a warm-start example that uses a tool (cfg.tool_frac of them; ext/calc.py)."""
+    """Return a built model dir, building it first when missing or stale. Safe against crashes and against
+    other processes building the same dir: the build is written in a private directory (this process's) and
+    renamed into place when complete; a builder that finds a complete build there when it is done keeps that
+    one. tool(problem) -> segments: the transcript of a warm-start example that uses a tool (cfg.tool_frac of
+    them; ext/calc.py)."""
     cfg = cfg or TinyConfig()
     out_dir = Path(out_dir)
-    meta_path = out_dir / "build.json"
-    if not force and meta_path.exists() and json.loads(meta_path.read_text()).get("hash") == _build_hash(cfg):
+    if not force and _built(out_dir, cfg):
         template = out_dir / "chat_template.jinja"
         if not template.exists() or template.read_text() != CHAT_TEMPLATE:   # add or update it (atomically)
             template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
@@ -224,23 +259,24 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
             log(f"  warm-start step {step:4d}/{cfg.sft_steps} loss {loss.item():.3f}")
     model.eval()
 
-    eval_set = task.make_problems(256, seed=cfg.seed + 2, digits=cfg.digits)
-    acc_sampled = sample_accuracy(model, tokenizer, eval_set, greedy=False)
-    acc_greedy = sample_accuracy(model, tokenizer, eval_set, greedy=True)
+    # (random weights: no accuracy to measure)
+    eval_set = task.make_problems(256, seed=cfg.seed + 2, digits=cfg.digits) if cfg.sft_steps else []
+    acc_sampled = sample_accuracy(model, tokenizer, eval_set, greedy=False) if eval_set else None
+    acc_greedy = sample_accuracy(model, tokenizer, eval_set, greedy=True) if eval_set else None
     build_s = time.time() - t0
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f"{out_dir.name}.build.{os.getpid()}.{secrets.token_hex(4)}.tmp")   # (private)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     meta = {"hash": _build_hash(cfg), "config": asdict(cfg), "num_params": num_params,
             "build_s": round(build_s, 1), "acc_sampled": acc_sampled, "acc_greedy": acc_greedy}
-    (tmp / "build.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    (tmp / "build.json").write_text(json.dumps(meta, indent=2))       # (last: the build is complete)
+    _move_into_place(tmp, out_dir, cfg, force)
     torch.set_num_threads(threads)
-    log(f"tiny model: {num_params / 1e6:.2f}M params, built in {build_s:.0f}s, "
-        f"starting accuracy {acc_sampled:.0%} sampled (T=1), {acc_greedy:.0%} greedy")
+    log(f"tiny model: {num_params / 1e6:.2f}M params, built in {build_s:.0f}s"
+        + (f", starting accuracy {acc_sampled:.0%} sampled (T=1), {acc_greedy:.0%} greedy" if eval_set else
+           ", random weights"))
     return out_dir
 
 
@@ -251,8 +287,6 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sft-steps", type=int, default=TinyConfig.sft_steps)
     ap.add_argument("--quiet", action="store_true", help="print nothing when the cached model is reused")
-    ap.add_argument("--teacher", action="store_true",
-                    help="build (or reuse) the distillation teacher instead, .cache/tiny-teacher")
     # a bigger model of the same kind, e.g. the weight-sync benchmark's 103M one (tools/bench_weight_sync.py):
     # --hidden 1024 --layers 8 --heads 16 --intermediate 2816 --sft-steps 0 (random weights)
     ap.add_argument("--hidden", type=int, default=TinyConfig.hidden)
@@ -262,7 +296,6 @@ if __name__ == "__main__":
     args = ap.parse_args()
     cfg = TinyConfig(seed=args.seed, sft_steps=args.sft_steps, hidden=args.hidden, num_layers=args.layers,
                      num_heads=args.heads, intermediate=args.intermediate)
-    path = (ensure_tiny_model(TEACHER_DIR, TEACHER, force=args.force) if args.teacher
-            else ensure_tiny_model(args.out_dir, cfg, force=args.force))
+    path = ensure_tiny_model(args.out_dir, cfg, force=args.force)
     if not args.quiet:
         print(json.dumps(json.loads((path / "build.json").read_text()), indent=2))

@@ -88,8 +88,8 @@ class VLLMEngine:
             # a sampled token's logprob under the distribution it was drawn from: after temperature (and any
             # top-p / top-k), where the default (raw_logprobs) reports the unscaled model's; the trainer
             # computes its own at the same temperature (Trainer's temperature). Prompt logprobs (score) are
-            # raw in either mode
-            logprobs_mode="processed_logprobs",
+            # raw in either mode; score() at another temperature than 1 asks for a whole vocabulary's (-1)
+            logprobs_mode="processed_logprobs", max_logprobs=engine_kwargs.pop("max_logprobs", -1),
             **engine_kwargs)
         affinity = os.sched_getaffinity(0)      # this thread's, given back once the engine's processes run
         if cpu_cores and not torch.cuda.is_available():   # the engine's processes inherit this thread's cores
@@ -248,17 +248,24 @@ class VLLMEngine:
         # version as their cache salt, see LLMProxy._consume; vLLM refuses reset_prefix_cache while
         # kept requests hold blocks, so a reset here would not do it)
 
-    async def score(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each token of `token_ids` given the ones before it (first token: none), at temperature 1
-        (prompt logprobs: vLLM takes them from the raw logits)."""
+    async def score(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Logprob of each token of `token_ids` given the ones before it (first token: none), of
+        softmax(logits / temperature). vLLM takes prompt logprobs from the raw logits (temperature 1, in any
+        logprobs_mode); at another temperature every token's is asked for at each position ([T-1, vocab]
+        values: the engine's max_logprobs -1 allows it) and renormalised, log_softmax(logp / temperature),
+        which is exact: logp is the logits less one constant a position."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0 if temperature == 1 else -1, temperature=1.0)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
                                            f"score-{next(self.scores)}", **self.request_kwargs):
             final = out
-        return [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
+        rows = zip(token_ids[1:], final.prompt_logprobs[1:])          # per position: {token id: Logprob}
+        if temperature == 1:
+            return [lp[t].logprob for t, lp in rows]
+        return [lp[t].logprob / temperature - torch.logsumexp(torch.tensor(      # log_softmax(logp / T)[t]
+            [x.logprob for x in lp.values()], dtype=torch.float64) / temperature, 0).item() for t, lp in rows]
 
     def shutdown(self):
         if self.llm is not None:

@@ -39,6 +39,14 @@ class EvalConfig:
                              f"{self.eval_k}")
 
 
+# what other extensions measure on a round's held-out samples, beside its accuracy: f(the round's samples,
+# failed ones left out) -> metrics merged into its result (ext/distill.py: eval_teacher_kl)
+ROUND_METRICS: list = []
+# another extension's held-out set in place of the default: f(cfg, seed, n) -> problems, or None when it has
+# none for this run (ext/domains.py: each domain's own, n each)
+HELD_OUT: list = []
+
+
 class Evaluation:
     """Evaluation rounds over a controller's engines (module docstring)."""
 
@@ -56,7 +64,7 @@ class Evaluation:
             gid = f"eval{v}.{i}"
             tasks.append(RolloutTask(f"{gid}.greedy", gid, p, 1, v, "", eval_temperature=0.0))
             tasks += [RolloutTask(f"{gid}.t{j}", gid, p, 1, v, "", eval_temperature=1.0) for j in range(k)]
-        self.round = {"version": v, "k": k, "left": len(tasks), "greedy": [], "sampled": [],
+        self.round = {"version": v, "k": k, "left": len(tasks), "greedy": [], "sampled": [], "samples": [],
                       "tasks": {t.task_id: t for t in tasks}}
         await self.ctrl.buffer.put_tasks(tasks)
 
@@ -71,6 +79,8 @@ class Evaluation:
             await self.ctrl.buffer.put_tasks([r["tasks"][s.task_id]])
             return True
         (r["greedy"] if s.task_id.endswith(".greedy") else r["sampled"]).append(0.0 if s.failed else s.reward)
+        if not s.failed:
+            r["samples"].append(s)
         r["left"] -= 1
         return True
 
@@ -81,7 +91,8 @@ class Evaluation:
             return {}
         self.round = None
         return {"eval_version": r["version"], "eval_greedy": sum(r["greedy"]) / max(len(r["greedy"]), 1),
-                f"eval_mean_at_{r['k']}": sum(r["sampled"]) / max(len(r["sampled"]), 1)}
+                f"eval_mean_at_{r['k']}": sum(r["sampled"]) / max(len(r["sampled"]), 1),
+                **{k: v for f in ROUND_METRICS for k, v in f(r["samples"]).items()}}
 
     async def finish(self) -> dict:
         """Wait for the running round (training samples meanwhile are left unconsumed)."""
@@ -115,10 +126,13 @@ class Eval(Extension):
         return part.eval_every > 0
 
     def held_out(self, problems, seed: int):
-        """(training problems, held-out problems): --eval-data; else the last --eval-prompts rows of --data
-        (kept out of training); else generated ones from a seed training never uses."""
+        """(training problems, held-out problems): another extension's (HELD_OUT); else --eval-data; else
+        the last --eval-prompts rows of --data (kept out of training); else generated ones from a seed
+        training never uses."""
         n, p, task = self.part.eval_prompts, self.part, self.cfg.ext["verifiers"].task
-        if p.eval_data:
+        if own := next((h for f in HELD_OUT if (h := f(self.cfg, seed, n)) is not None), None):
+            self.held = own
+        elif p.eval_data:
             self.held = load_dataset(p.eval_data, self.cfg.data.prompt_key, self.cfg.data.answer_key)[:n]
         elif problems is not None:
             if len(problems) <= n:
@@ -149,8 +163,9 @@ class Eval(Extension):
         return evaluation
 
     def step_line(self, row: dict):
+        # (the accuracy: ROUND_METRICS' keys are their extensions' to show)
         got = [f"{k.removeprefix('eval_').replace('_at_', '@')} {v:.3f}" for k, v in row.items()
-               if k.startswith("eval_") and k != "eval_version" and v is not None]
+               if (k == "eval_greedy" or k.startswith("eval_mean_at_")) and v is not None]
         return " | ".join(got) or None
 
     def on_row(self, row: dict):

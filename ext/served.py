@@ -4,8 +4,8 @@
 An extension with K served ranks (Extension.extra_ranks, after the rollout ranks) runs serve() on each: a vLLM
 engine of its model (never a weight sync), which answers every rollout rank's requests:
 
-    ("score", ids)                     -> the log-prob of each token after the first, given the ones before
-                                          (vLLM's prompt log-probs, temperature 1)
+    ("score", ids, T)                  -> the log-prob of each token after the first, given the ones before,
+                                          of softmax(logits / T) (vLLM's prompt log-probs; T None: 1)
     ("generate", (ids, max_tokens))    -> the greedy continuation's token ids (through its EOS)
 
 How rollout ranks reach served ranks (the transport's named side queues, on trainer rank 0's queue server):
@@ -109,8 +109,8 @@ async def answer_request(proxy, op: str, ids: list[int], arg, context: int, requ
     """One request's answer from a served rank's engine (the module docstring's ops), or the failure named."""
     from proxy import Sampling
     try:
-        if op == "score":
-            return await proxy.score(ids)
+        if op == "score":           # (arg: the temperature; at another than 1, vllm_engine's score says how)
+            return await (proxy.score(ids) if arg in (None, 1) else proxy.engine.score(list(ids), arg))
         greedy = Sampling(max_tokens=max(1, min(arg, context - len(ids))), temperature=0.0)
         return (await proxy.generate(ids, greedy, request_id=request_id)).token_ids   # at most arg tokens
     except Exception as e:     # (a request's own failure, named; an engine that died fails them all)
@@ -199,3 +199,42 @@ def check_model_dir(flag: str, path: str, built_by: str = ""):
     if not (Path(path) / "config.json").exists():
         raise ValueError(f"{flag} {path}: not a Hugging Face model dir (no config.json)"
                          + (f" ({built_by} builds it)" if built_by else ""))
+
+
+# the fields of a model's config.json that bound its context (vLLM reads the same ones)
+LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+               "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def served_context(model_dir: str) -> int:
+    """The context (tokens) a served rank's engine gets for model_dir (serve() leaves vLLM's default), as
+    vLLM derives it from config.json: model_max_length, else the least of LENGTH_KEYS, times the factor of a
+    RoPE scaling that stretches positions (linear, dynamic). Read at start-up, before any engine exists."""
+    import json
+    from pathlib import Path
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config") or c
+    n = c.get("model_max_length") or min((c[k] for k in LENGTH_KEYS if c.get(k)), default=None)
+    if n is None:
+        raise ValueError(f"{model_dir}/config.json: no context length ({', '.join(LENGTH_KEYS)})")
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) in ("linear", "dynamic"):
+        n *= rope.get("factor") or 1
+    return int(n)
+
+
+def drawn_problems(cfg, n: int = 1000) -> tuple[list, str]:
+    """(problems, what they are): what training may send a served model, for a start-up bound on its
+    requests: every row of --data, else n problems drawn as training draws them (the extensions' generator,
+    --task, and a workload's lengths)."""
+    import random
+    from config import EXTENSIONS, Extension, Extensions
+    hooks = ("problem_maker", "problem_source")          # (only the extensions that shape the problems)
+    exts = [c(cfg, cfg.ext.get(name)) for name, c in EXTENSIONS.items() if c.wanted(cfg.ext.get(name))
+            and any(getattr(c, h) is not getattr(Extension, h) for h in hooks)]
+    problems, make, _ = cfg.data.sources(cfg.train.seed, Extensions(sorted(exts, key=lambda e: e.order)))
+    if problems is not None:
+        return problems, (f"--data {cfg.data.data} ({len(problems)} rows)" if cfg.data.data
+                          else f"the task's {len(problems)} problems")
+    rng = random.Random(cfg.train.seed)
+    return [make(rng) for _ in range(n)], f"{n} drawn problems"

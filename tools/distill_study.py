@@ -4,22 +4,28 @@
     .venv/bin/python -m tools.distill_study --kinds distill --ratios 2 --seeds 0 --steps 6   # a quick look
 
 Every run is `torchrun train.py` (1 trainer, 1 rollout rank, and with a teacher 1 teacher rank: real vLLM
-engines), the embedded student (.cache/tiny-qwen2) and teacher (.cache/tiny-teacher, built on first use),
-the same --steps, batch, learning rate and loss, per seed the same problems. Three kinds:
+engines), the embedded student (.cache/tiny-qwen2) and teacher (.cache/tiny-teacher, built on first use:
+`python -m ext.distill --build`), the same --steps, batch, learning rate and loss, per seed the same problems.
+Three kinds:
 
     rl        the verifier's reward alone (train.py's defaults)
     distill   the teacher's per-token log-probs alone: --reward none --distill-coef COEF --no-filter-groups
-    both      the verifier's reward plus the teacher's: --distill-coef COEF --no-filter-groups
+    both      the verifier's reward plus the teacher's: --distill-coef COEF --no-filter-groups (the teacher's
+              per-token gap clipped at 1 nat: --distill-clip's auto with a reward)
 
-and three questions, each a table in results/distill.md:
+Progress is measured on the held-out set (ext/eval.py, every --eval-every steps: the same problems each
+round): the held-out reward (mean@k at temperature 1) and, with a teacher, eval_teacher_kl, the reverse KL to
+the teacher of the held-out samples (ext/distill.py). The per-step teacher_kl of the trained batch moves by
+~0.4 nats from step to step with the batch's mix of problems, too much to read a trend from; before training,
+both are measured here outside the system on the same held-out problems (held_out_of, held_out_kl). Three
+questions, each a table in results/distill.md:
 
-1. RL vs distillation vs both at --ratios' first entry (2): held-out reward (mean@k at temperature 1,
-   ext/eval.py) per step and per second of training, and the steps and seconds until the student is within
-   2 points of the teacher's own held-out reward (measured on the same held-out problems), or how close it
-   gets.
-2. Distillation at async ratio 0, 2 and 8: the held-out reward it ends at, the reverse KL to the teacher
-   (teacher_kl, first and last 10 steps) and the staleness each reached (does it tolerate staleness as the
-   paper's Takeaway 4 says PPO does?).
+1. RL vs distillation vs both at --ratios' first entry (2): held-out reward per step and the gap to the
+   teacher's own held-out reward (measured on the same held-out problems) at the end; held-out reverse KL to
+   the teacher per step (distill and both).
+2. Distillation at async ratio 0, 2 and 8: the held-out reward it ends at, the held-out reverse KL to the
+   teacher before training and at the end (each seed's change), and the staleness each reached (does it
+   tolerate staleness as the paper's Takeaway 4 says PPO does?).
 3. The teacher's cost at ratio 2: seconds per step of rl against both (the same objective's reward, plus
    the teacher), the seconds a sample waits for its teacher's answer, and how much of scoring a step's
    samples is hidden behind generation: 1 - (extra seconds per step) / (seconds the teacher engine takes
@@ -35,11 +41,12 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.jobs import run_to_end, torchrun_cmd
+from tools import jobs
+from tools.jobs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("rl", "distill", "both")
-WITHIN = 0.02                 # "within 2 points of the teacher"
+MAX_TOKENS = 8                # a response's tokens: the embedded model's --max-tokens
 
 
 def teacher_args(teacher: str, coef: float) -> list[str]:
@@ -68,7 +75,7 @@ def job(kind: str, train_args: list[str], nproc: int, ratio: int, seed: int, arg
                        "--batch-groups", str(args.batch_groups), "--save-every", "0", *train_args)
     cmd[cmd.index("--nproc-per-node") + 1] = str(nproc)
     t0 = time.monotonic()
-    rows = run_to_end(cmd, out, f"{who} {kind} ratio {ratio} seed {seed}", timeout_s=args.timeout_s)
+    rows = jobs.run_to_end(cmd, out, f"{who} {kind} ratio {ratio} seed {seed}", timeout_s=args.timeout_s)
     wall = time.monotonic() - t0
     key = f"eval_mean_at_{args.eval_k}"
     clock = [0.0]                  # seconds of training until each version (the weights after k steps)
@@ -77,6 +84,8 @@ def job(kind: str, train_args: list[str], nproc: int, ratio: int, seed: int, arg
     # (version evaluated, seconds of training until it, held-out reward)
     evals = [(r["eval_version"], round(clock[r["eval_version"]], 1), r[key]) for r in rows if key in r]
     return {"kind": kind, "ratio": ratio, "seed": seed, "wall_s": round(wall, 1), "evals": evals,
+            # (version evaluated, held-out reverse KL to the teacher): with a teacher
+            "eval_kl": [(r["eval_version"], r["eval_teacher_kl"]) for r in rows if "eval_teacher_kl" in r],
             "s_per_step": statistics.median(r["time_step"] for r in rows),
             "teacher_kl": [r.get("teacher_kl") for r in rows],
             "time_teacher": statistics.fmean(r["time_teacher"] for r in rows) if "time_teacher" in rows[0]
@@ -105,27 +114,70 @@ def held_out_of(model_dir: str, args) -> float:
                             for k in range(max(args.eval_k, 8)))
 
 
-def score_time(teacher: str, n: int) -> float:
-    """Seconds the teacher's engine takes to score n default-task samples at once (median of 5): what a
-    step's scoring would add if it ran after generation instead of beside it."""
-    import task
-    from proxy import LLMProxy
-    from transformers import AutoTokenizer
+def held_out_kl(student_dir: str, teacher_dir: str, args, seed: int) -> tuple[float, float]:
+    """The student's held-out reverse KL to the teacher outside the system, as eval_teacher_kl measures it in
+    a run: --eval-k samples at temperature 1 of each problem ext/eval.py holds out for `seed`, the mean over
+    their tokens of log p_student - log p_teacher (the runs' value before training); and the share of its sum
+    on the tokens where the response departs from the right answer (a wrong digit, one too many or too
+    few: the first token that differs, and every one after it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import task
+    student, teacher = (AutoModelForCausalLM.from_pretrained(d).float().eval()
+                        for d in (student_dir, teacher_dir))
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    g, diffs, wrong = torch.Generator().manual_seed(seed), [], []
+    with torch.no_grad():
+        for p in task.make_problems(args.eval_prompts, seed=seed + 1_000_003):     # ext/eval.Eval.held_out's
+            prompt, right = tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_token_id]
+            for _ in range(args.eval_k):
+                ids = list(prompt)
+                while len(ids) < len(prompt) + MAX_TOKENS and ids[-1:] != [tok.eos_token_id]:
+                    logits = student(torch.tensor([ids])).logits[0, -1]
+                    ids.append(torch.multinomial(torch.softmax(logits, -1), 1, generator=g).item())
+                x = torch.tensor([ids])
+                lp = [torch.log_softmax(m(x).logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0]
+                      [len(prompt) - 1:] for m in (student, teacher)]               # [response tokens]
+                response = ids[len(prompt):]
+                first = next((j for j, t in enumerate(response) if j >= len(right) or t != right[j]),
+                             len(response))
+                diffs += (lp[0] - lp[1]).tolist()
+                wrong += [j >= first for j in range(len(response))]
+    total = sum(diffs)
+    return statistics.fmean(diffs), (sum(d for d, w in zip(diffs, wrong) if w) / total if total else 0.0)
+
+
+def scored_samples(teacher: str, n: int) -> list[list[int]]:
+    """n default-task samples (prompt, answer, EOS) as the teacher's tokens."""
+    import task
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(teacher)
-    seqs = [tok.encode(p.prompt + p.answer) + [tok.eos_token_id] for p in task.make_problems(n, seed=5)]
+    return [tok.encode(p.prompt + p.answer) + [tok.eos_token_id] for p in task.make_problems(n, seed=5)]
+
+
+async def time_scoring(proxy, seqs: list[list[int]]) -> float:
+    """Seconds an engine takes to score seqs at once (median of 5, after one warm-up)."""
+    await asyncio.gather(*[proxy.score(s) for s in seqs])
+    times = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        await asyncio.gather(*[proxy.score(s) for s in seqs])
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
+
+
+def score_time(teacher: str, n: int) -> float:
+    """Seconds the teacher's engine takes to score n default-task samples at once: what a step's scoring would
+    add if it ran after generation instead of beside it."""
+    from proxy import LLMProxy
+    seqs = scored_samples(teacher, n)
 
     async def main():
         proxy = await LLMProxy.start_vllm(teacher, rank=0, timeout_s=300, startup_timeout_s=600,
                                           enforce_eager=True, max_num_seqs=min(n, 256))
         try:
-            await asyncio.gather(*[proxy.score(s) for s in seqs])           # (warm)
-            times = []
-            for _ in range(5):
-                t0 = time.monotonic()
-                await asyncio.gather(*[proxy.score(s) for s in seqs])
-                times.append(time.monotonic() - t0)
-            return statistics.median(times)
+            return await time_scoring(proxy, seqs)
         finally:
             proxy.shutdown()
     return asyncio.run(main())
@@ -147,47 +199,70 @@ def curve(runs: list[dict]) -> list[tuple]:
     return out
 
 
+def kl_curve(runs: list[dict], before: dict) -> list[tuple]:
+    """The seeds' mean held-out reverse KL to the teacher per evaluated step, [(step, nats)], from step 0:
+    before training (before: seed -> held_out_kl)."""
+    steps = sorted({v for r in runs for v, _ in r["eval_kl"]})
+    out = [(0, statistics.fmean(before[str(r["seed"])] for r in runs))] if runs and before else []
+    for s in steps:
+        at = [kl for r in runs for v, kl in r["eval_kl"] if v == s]
+        if len(at) == len(runs):
+            out.append((s, statistics.fmean(at)))
+    return out
+
+
 def tables(res: dict) -> str:
-    runs, teacher, k = res["runs"], res["teacher_held_out"], res["args"]["eval_k"]
+    runs, teacher, k, before = res["runs"], res["teacher_held_out"], res["args"]["eval_k"], res["kl_before"]
 
     def by(kind, ratio):
         return [r for r in runs if r["kind"] == kind and r["ratio"] == ratio]
     a = res["args"]
     lines = [f"Command: `{res['command']}` ({a['steps']} steps of {a['batch']}, seeds {a['seeds']}, "
-             f"--distill-coef {a['coef']}, held-out mean@{k} over {a['eval_prompts']} problems every "
-             f"{a['eval_every']} steps; {res['date']}).", "",
+             f"--distill-coef {a['coef']}, held-out mean@{k} and reverse KL to the teacher over "
+             f"{a['eval_prompts']} problems every {a['eval_every']} steps; {res['date']}).", "",
              f"The teacher's held-out reward (mean@{max(k, 8)}, same problems): **{teacher:.3f}**; the "
-             f"student's before training: {res['student_held_out']:.3f}.", ""]
+             f"student's before training: {res['student_held_out']:.3f}."
+             + (f" The student's held-out reverse KL to the teacher before training: "
+                f"{statistics.fmean(before.values()):.2f} nats a token, "
+                f"{statistics.fmean(res['kl_before_wrong'].values()):.0%} of it on the tokens where its "
+                f"answer departs from the right one (from the first wrong, missing or extra digit on)."
+                if before else ""), ""]
     r0 = a["ratios"][0] if 2 not in a["ratios"] else 2
     present = [kind for kind in KINDS if by(kind, r0)]
     if present:
         steps = [s for s, _, _ in curve(by(present[0], r0))]
         lines += [f"### 1. RL, distillation, both (async ratio {r0}, mean of {len(a['seeds'])} seeds)", "",
-                  "| kind | " + " | ".join(f"step {s}" for s in steps)
-                  + " | s/step | steps (s) to within 2 pts of the teacher | closest gap |",
-                  "|---" * (len(steps) + 4) + "|"]
+                  "Held-out reward (mean@k, the verifier's):", "",
+                  "| kind | " + " | ".join(f"step {s}" for s in steps) + " | s/step | gap to the teacher at "
+                  "the end |", "|---" * (len(steps) + 3) + "|"]
         for kind in present:
-            c = curve(by(kind, r0))
-            hit = next(((s, t) for s, t, v in c if v >= teacher - WITHIN), None)
-            gap = teacher - max(v for _, _, v in c)
+            c, s_step = curve(by(kind, r0)), mean(r["s_per_step"] for r in by(kind, r0))
             lines.append(f"| {kind} | " + " | ".join(f"{v:.3f}" for _, _, v in c)
-                         + f" | {mean(r['s_per_step'] for r in by(kind, r0)):.2f} | "
-                         + (f"{hit[0]} ({hit[1]:.0f} s)" if hit else "not reached")
-                         + f" | {gap:+.3f} |")
+                         + f" | {s_step:.2f} | {teacher - c[-1][2]:+.3f} |")
+        taught = [kind for kind in present if kind != "rl" and kl_curve(by(kind, r0), before)]
+        if taught:
+            ksteps = [s for s, _ in kl_curve(by(taught[0], r0), before)]
+            lines += ["", "Held-out reverse KL to the teacher (eval_teacher_kl, nats a token; step 0: before "
+                      "training, measured outside the system on the same problems):", "",
+                      "| kind | " + " | ".join(f"step {s}" for s in ksteps) + " |",
+                      "|---" * (len(ksteps) + 1) + "|"]
+            for kind in taught:
+                c = kl_curve(by(kind, r0), before)
+                lines.append(f"| {kind} | " + " | ".join(f"{v:.3f}" for _, v in c) + " |")
         lines.append("")
     dist = [r for r in sorted(a["ratios"]) if by("distill", r)]
     if dist:
         lines += ["### 2. Distillation alone at each async ratio", "",
-                  "| ratio | final held-out | teacher_kl first 10 -> last 10 steps | staleness mean (max) "
-                  "| s/step |", "|---|---|---|---|---|"]
+                  "| ratio | final held-out | held-out KL to the teacher, before -> end | each seed's change "
+                  "| staleness mean (max) | s/step |", "|---|---|---|---|---|---|"]
         for r in dist:
-            rs = by("distill", r)
-            first = mean(mean(x["teacher_kl"][:10]) for x in rs)
-            last = mean(mean(x["teacher_kl"][-10:]) for x in rs)
-            lines.append(f"| {r} | {mean(x['evals'][-1][2] for x in rs):.3f} | {first:.3f} -> {last:.3f} | "
-                         f"{mean(x['staleness_mean'] for x in rs):.2f} "
-                         f"({max(x['staleness_max'] for x in rs)}) | "
-                         f"{mean(x['s_per_step'] for x in rs):.2f} |")
+            rs, c = by("distill", r), kl_curve(by("distill", r), before)
+            change = ", ".join(f"{x['eval_kl'][-1][1] - before[str(x['seed'])]:+.3f}" for x in rs
+                               if x["eval_kl"] and before)
+            stale = f"{mean(x['staleness_mean'] for x in rs):.2f} ({max(x['staleness_max'] for x in rs)})"
+            lines.append(f"| {r} | {mean(x['evals'][-1][2] for x in rs):.3f} | "
+                         + (f"{c[0][1]:.3f} -> {c[-1][1]:.3f}" if c else "-") + f" | {change or '-'} | "
+                         f"{stale} | {mean(x['s_per_step'] for x in rs):.2f} |")
         lines.append("")
     if by("rl", r0) and by("both", r0):
         plain = mean(x["s_per_step"] for x in by("rl", r0))
@@ -222,15 +297,12 @@ def plot(res: dict, path: Path):
     ax[1].set_xlabel("seconds of training")
     ax[0].set_title(f"RL vs distillation vs both (ratio {r0})")
     for r in sorted(a["ratios"]):
-        rs = [x for x in runs if x["kind"] == "distill" and x["ratio"] == r]
-        if rs:
-            n = min(len(x["teacher_kl"]) for x in rs)
-            kl = [statistics.fmean(x["teacher_kl"][i] for x in rs) for i in range(n)]
-            smooth = [statistics.fmean(kl[max(0, i - 4):i + 1]) for i in range(n)]
-            ax[2].plot(range(1, n + 1), smooth, label=f"ratio {r}")
+        c = kl_curve([x for x in runs if x["kind"] == "distill" and x["ratio"] == r], res["kl_before"])
+        if c:
+            ax[2].plot([s for s, _ in c], [v for _, v in c], marker="o", label=f"ratio {r}")
     ax[2].set_xlabel("step")
-    ax[2].set_ylabel("teacher_kl (5-step mean)")
-    ax[2].set_title("distillation alone: reverse KL to the teacher")
+    ax[2].set_ylabel("eval_teacher_kl (nats a token)")
+    ax[2].set_title("distillation alone: held-out reverse KL to the teacher")
     ax[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -242,10 +314,10 @@ def main():
     ap.add_argument("--ratios", default="2,0,8", help="the first is the ratio the kinds are compared at; "
                                                        "distillation alone runs at every one")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch-groups", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--coef", type=float, default=1.0, help="--distill-coef")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-k", type=int, default=2)
     ap.add_argument("--teacher", default=str(ROOT / ".cache" / "tiny-teacher"))
@@ -255,9 +327,10 @@ def main():
     args = ap.parse_args()
     import tiny_model
     from controller import ControllerConfig
+    from ext.distill import TEACHER_DIR, ensure_tiny_teacher
     tiny_model.ensure_tiny_model()
-    if args.teacher == str(tiny_model.TEACHER_DIR):
-        tiny_model.ensure_tiny_model(tiny_model.TEACHER_DIR, tiny_model.TEACHER)
+    if args.teacher == str(TEACHER_DIR):
+        ensure_tiny_teacher()
     kinds, ratios = args.kinds.split(","), [int(r) for r in args.ratios.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = [(k, ratios[0], s) for k in kinds for s in seeds]
@@ -270,12 +343,13 @@ def main():
         t0 = time.monotonic()
         runs.append(run(kind, ratio, seed, args, out_root))
         r = runs[-1]
+        kl = [round(x, 3) for _, x in r["eval_kl"]]
         print(f"  [{i + 1}/{len(plan)}] {kind} ratio {ratio} seed {seed}: {time.monotonic() - t0:.0f}s, "
               f"{r['s_per_step']:.2f} s/step, held-out {[round(e[2], 3) for e in r['evals']]}, staleness "
-              f"{r['staleness_mean']:.2f}" + (f", teacher_kl {mean(r['teacher_kl'][:5]):.2f} -> "
-                                             f"{mean(r['teacher_kl'][-5:]):.2f}" if kind != "rl" else ""),
-              flush=True)
+              f"{r['staleness_mean']:.2f}" + (f", held-out KL to the teacher {kl}" if kl else ""), flush=True)
     cc = ControllerConfig()
+    before = ({s: held_out_kl(str(tiny_model.DEFAULT_DIR), args.teacher, args, s) for s in seeds}
+              if set(kinds) - {"rl"} else {})
     res = {"command": "python -m tools.distill_study" + "".join(
                f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                if v != ap.get_default(k) and k not in ("runs_dir", "out")),
@@ -284,6 +358,9 @@ def main():
                     "batch": f"{args.batch_groups}x{cc.group_size}"},
            "teacher_held_out": held_out_of(args.teacher, args),
            "student_held_out": held_out_of(str(tiny_model.DEFAULT_DIR), args),
+           # per seed: (the held-out KL to the teacher before training, the share of it on wrong tokens)
+           **{key: {str(s): v[i] for s, v in before.items()}
+              for i, key in enumerate(("kl_before", "kl_before_wrong"))},
            "score_s": (score_time(args.teacher, args.batch_groups * cc.group_size) if "both" in kinds
                        else None),
            "runs": runs}
