@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 
@@ -68,6 +69,7 @@ def run(cfg, exts, extra: int, train):
                                   max_model_len=rc.max_model_len)
     proxy = LLMProxy(engine, rank=0, timeout_s=cfg.controller.timeout_s)
     proxy.version = state["version"] if state else 0
+    exts.call("on_proxy", proxy, 0, time.time())             # (the timeline's recorder: the engine's row)
     manager = for_rank(cfg, exts, proxy, buffer, tokenizer, 0)
 
     async def both():

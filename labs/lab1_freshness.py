@@ -7,7 +7,8 @@ too far ahead: admission lets at most (alpha + 1) * B groups hold places (B grou
 `redundant` extra groups that dynamic filtering burns. A group holds a place from its admission until it
 is lost, filtered, or trained by an earlier step.
 
-Implement both functions below. Read for inspiration:
+Implement both functions below. docs/tour.md's sections 1 (admission) and 4 (freshness) tell the story;
+read for inspiration:
 - `buffer.Freshness.fresh`: the rule, the one place it lives in the project; `buffer.GroupAssembler.add`
   and `take` drop the samples that fail it, and `env_manager.EnvManager._sync` aborts running work that
   can no longer pass it.

@@ -1,5 +1,7 @@
 """Lab 1's grader: fresh() and capacity() on tables of cases and properties, then both inside the real
-controller, buffer and env managers (tools/sim.py's simulator, virtual time, well under a second a run)."""
+controller, buffer and env managers (tools/sim.py's simulator, virtual time, well under a second a run). The
+simulated runs check the tables first and run under a cap (labs/grading.Cap): a wrong answer fails in
+seconds, naming the case."""
 
 import dataclasses
 import random
@@ -8,7 +10,7 @@ import pytest
 
 from buffer import Freshness
 from controller import Admission
-from labs.grading import load
+from labs.grading import Cap, load
 from tools.sim import SimConfig, simulate
 
 impl = load("lab1_freshness")
@@ -23,12 +25,39 @@ CAPACITY = [((0, 4, 0, 0), 4), ((0, 4, 0, 4), 0), ((0, 8, 2, 3), 7), ((1, 4, 0, 
             ((2, 4, 1, 5), 8), ((1, 32, 4, 10), 58), ((4, 16, 16, 0), 96)]
 
 
+def fresh_case(oldest: int, version: int, alpha: int, want: bool) -> str:
+    """'' when fresh() answers this case right, else what is wrong, in words."""
+    got = impl.fresh(oldest, version, alpha)
+    if got is want:
+        return ""
+    return (f"fresh(oldest_version={oldest}, version={version}, async_ratio={alpha}) returned {got!r}: "
+            f"the sample lags {version - oldest} version(s) behind the trainer and the ratio allows {alpha}, "
+            f"so it is {'fresh' if want else 'stale'} ({want})")
+
+
+def capacity_case(alpha: int, B: int, redundant: int, holding: int, want: int) -> str:
+    """'' when capacity() answers this case right, else what is wrong, in words."""
+    got = impl.capacity(alpha, B, redundant, holding)
+    if got == want:
+        return ""
+    return (f"capacity(async_ratio={alpha}, batch_groups={B}, redundant={redundant}, holding={holding}) "
+            f"returned {got!r}: the bound is (async_ratio + 1) * batch_groups + redundant = "
+            f"{(alpha + 1) * B + redundant} places, {holding} held, so {want} may still be admitted")
+
+
+def tables_pass():
+    """The pure functions first, before a simulated run: the first wrong case fails here, in words."""
+    for (o, v, a), want in FRESH:
+        if why := fresh_case(o, v, a, want):
+            raise AssertionError(f"the fresh() table fails first: {why}")
+    for args, want in CAPACITY:
+        if why := capacity_case(*args, want):
+            raise AssertionError(f"the capacity() table fails first: {why}")
+
+
 @pytest.mark.parametrize("args, want", FRESH, ids=[f"v{o}-at-v{v}-ratio{a}" for (o, v, a), _ in FRESH])
 def test_fresh_table(args, want):
-    oldest, version, alpha = args
-    assert impl.fresh(oldest, version, alpha) is want, (
-        f"fresh(oldest_version={oldest}, version={version}, async_ratio={alpha}): the sample lags "
-        f"{version - oldest} versions; want {want}")
+    assert not (why := fresh_case(*args, want)), why
 
 
 def test_fresh_properties():
@@ -38,20 +67,19 @@ def test_fresh_properties():
     for _ in range(500):
         version, alpha = rng.randrange(0, 50), rng.randrange(0, 6)
         oldest = rng.randrange(0, version + 1)
-        got = impl.fresh(oldest, version, alpha)
-        assert got == (version - oldest <= alpha), (oldest, version, alpha)
-        if not got:
-            assert not impl.fresh(oldest, version + 1, alpha), "stale at version v, fresh again at v + 1"
-        if got:
-            assert impl.fresh(oldest, version, alpha + 1), "a larger ratio must keep what a smaller one keeps"
+        assert not (why := fresh_case(oldest, version, alpha, version - oldest <= alpha)), why
+        if version - oldest > alpha:
+            assert not (why := fresh_case(oldest, version + 1, alpha, False)), (
+                f"stale at version {version}, fresh again at {version + 1}: {why}")
+        else:
+            assert not (why := fresh_case(oldest, version, alpha + 1, True)), (
+                f"a larger ratio must keep what a smaller one keeps: {why}")
 
 
 @pytest.mark.parametrize("args, want", CAPACITY, ids=["ratio{}-B{}-R{}-held{}".format(*a) for a, _ in
                                                      CAPACITY])
 def test_capacity_table(args, want):
-    alpha, B, redundant, holding = args
-    assert impl.capacity(alpha, B, redundant, holding) == want, (
-        f"capacity(async_ratio={alpha}, batch_groups={B}, redundant={redundant}, holding={holding})")
+    assert not (why := capacity_case(*args, want)), why
 
 
 def test_capacity_properties():
@@ -61,10 +89,14 @@ def test_capacity_properties():
     for _ in range(300):
         alpha, B, redundant = rng.randrange(0, 6), rng.randrange(1, 64), rng.randrange(0, 16)
         bound = (alpha + 1) * B + redundant
-        assert impl.capacity(alpha, B, redundant, 0) == bound, (alpha, B, redundant)
+        assert not (why := capacity_case(alpha, B, redundant, 0, bound)), f"with nothing held: {why}"
         holding = rng.randrange(0, bound + 1)
-        assert impl.capacity(alpha, B, redundant, holding) == bound - holding, (alpha, B, redundant, holding)
-        assert impl.capacity(alpha, B, redundant, bound + rng.randrange(1, 10)) <= 0, "over the bound"
+        assert not (why := capacity_case(alpha, B, redundant, holding, bound - holding)), why
+        over = bound + rng.randrange(1, 10)
+        got = impl.capacity(alpha, B, redundant, over)
+        assert got <= 0, (f"capacity(async_ratio={alpha}, batch_groups={B}, redundant={redundant}, "
+                          f"holding={over}) returned {got}: {over} groups hold places, over the bound "
+                          f"{bound}, so nothing more may be admitted (0 or less)")
 
 
 # --- inside the real system
@@ -96,7 +128,7 @@ def test_in_the_simulator_staleness_and_places_stay_within_the_bound(alpha):
     """Plugged into the real controller: after every admission the groups holding places are at most
     (alpha + 1) * B + redundant and reach it (admission really fills the pipeline), and no trained sample
     lags more than alpha versions (with alpha >= 1 some do lag: rollout ran ahead of training)."""
-    assert impl.capacity(alpha, 4, 2, 0) == (alpha + 1) * 4 + 2, "the capacity table fails: fix it first"
+    tables_pass()
     cfg = dataclasses.replace(SIM, async_ratio=alpha)
     bound, held = (alpha + 1) * cfg.batch_groups + cfg.redundant, []
 
@@ -110,6 +142,7 @@ def test_in_the_simulator_staleness_and_places_stay_within_the_bound(alpha):
             held.append(ctrl.groups_holding_places())
             return n
         ctrl.admit = admit_and_count
+        Cap(ctrl, cfg.steps)
 
     r = simulate(cfg, setup=setup)
     staleness = [row["staleness_max"] for row in r["rows"]]

@@ -16,10 +16,11 @@ Per token (elementwise, any shape; minimise it):
 Return the loss and a bool tensor `clipped`: the tokens where a clip decided the loss (the clipped term
 was strictly larger than the unclipped one, or the dual clip bound it); it feeds the `clip_frac` metric.
 
-Read for inspiration: `losses.ppo` (the loss as the trainer calls it, through `losses.Terms`), and
-`losses.compute_policy_loss` (how r, A and the mask are made). Use torch operations only, so that autograd
-gives each token's gradient: the grader checks values by hand, that the gradient is zero where clipped,
-and that your function, registered as a loss, gives the same loss, metrics and gradient as `--loss ppo`.
+docs/tour.md's section 5 tells where the loss runs. Read for inspiration: `losses.ppo` (the loss as the
+trainer calls it, through `losses.Terms`), and `losses.compute_policy_loss` (how r, A and the mask are made).
+Use torch operations only, so that autograd gives each token's gradient: the grader checks values by hand,
+that the gradient is zero where clipped, and that your function, registered as a loss, gives the same loss,
+metrics and gradient as `--loss ppo`.
 
     .venv/bin/python -m pytest labs/lab2_ppo_clip_test.py
 """

@@ -41,16 +41,27 @@ def run(cases, dual_clip):
     r = torch.tensor([c[0][0] for c in cases], requires_grad=True)
     A = torch.tensor([c[0][1] for c in cases])
     out = impl.ppo_token_loss(r, A, LOW, HIGH, dual_clip)
-    assert isinstance(out, tuple) and len(out) == 2, "return (loss, clipped)"
+    assert isinstance(out, tuple) and len(out) == 2, f"return (loss, clipped), got {type(out).__name__}"
     loss, clipped = out
-    assert loss.shape == r.shape and clipped.shape == r.shape, "elementwise: the same shape as r"
+    assert loss.shape == r.shape and clipped.shape == r.shape, (
+        f"elementwise: loss and clipped have r's shape {tuple(r.shape)}, got {tuple(loss.shape)} and "
+        f"{tuple(clipped.shape)}")
     loss.sum().backward()
     return loss.detach(), clipped, r.grad
 
 
-def explain(cases, i, what, got, dual_clip):
-    (r, A), want = cases[i][0], cases[i][1]
-    return f"r={r}, A={A}, clip_low={LOW}, clip_high={HIGH}, dual_clip={dual_clip}: {what} {got}, want {want}"
+WHAT = {0: "loss", 1: "clipped", 2: "d loss / d r"}
+
+
+def explain(cases, i, what: int, got, dual_clip) -> str:
+    """Case i, in words: its inputs, what the function gave and what it should (what: 0 loss, 1 clipped, 2
+    the gradient)."""
+    (r, A), want = cases[i][0], cases[i][1][what]
+    side = ("A > 0" if A > 0 else "A < 0" if A < 0 else "A = 0") + (
+        f", r below 1 - clip_low = {1 - LOW:g}" if r < 1 - LOW else f", r above 1 + clip_high = {1 + HIGH:g}"
+        if r > 1 + HIGH else ", r inside the clip range")
+    return (f"r={r}, A={A} ({side}), clip_low={LOW}, clip_high={HIGH}, dual_clip={dual_clip}: "
+            f"{WHAT[what]} is {got}, want {want}")
 
 
 @pytest.mark.parametrize("cases, dual_clip", [(NO_DUAL, None), (NO_DUAL, 0.0), (DUAL, 3.0)],
@@ -58,16 +69,18 @@ def explain(cases, i, what, got, dual_clip):
 def test_loss_by_hand(cases, dual_clip):
     loss, _, _ = run(cases, dual_clip)
     for i, (_, (want, _, _)) in enumerate(cases):
-        assert loss[i].item() == pytest.approx(want, abs=1e-6), explain(cases, i, "loss", loss[i].item(),
-                                                                        dual_clip)
+        got = loss[i].item()
+        assert got == pytest.approx(want, abs=1e-6), explain(cases, i, 0, got, dual_clip)
 
 
 @pytest.mark.parametrize("cases, dual_clip", [(NO_DUAL, None), (DUAL, 3.0)], ids=["dual-none", "dual-3"])
 def test_clipped_tokens_by_hand(cases, dual_clip):
     _, clipped, _ = run(cases, dual_clip)
-    assert clipped.dtype == torch.bool, "clipped: a bool tensor"
+    assert clipped.dtype == torch.bool, f"clipped: a bool tensor, got {clipped.dtype}"
     for i, (_, (_, want, _)) in enumerate(cases):
-        assert bool(clipped[i]) is want, explain(cases, i, "clipped", bool(clipped[i]), dual_clip)
+        assert bool(clipped[i]) is want, explain(cases, i, 1, bool(clipped[i]), dual_clip) + (
+            " (clipped: a clip decided the loss, i.e. the clipped term was the larger, or the dual clip "
+            "bound it; r outside the range alone does not say that)")
 
 
 @pytest.mark.parametrize("cases, dual_clip", [(NO_DUAL, None), (DUAL, 3.0)], ids=["dual-none", "dual-3"])
@@ -77,17 +90,20 @@ def test_gradient_is_zero_where_clipped(cases, dual_clip):
     _, clipped, grad = run(cases, dual_clip)
     assert grad is not None, "no gradient reached r: use torch operations on r (no .item(), no detach)"
     for i, (_, (_, _, want)) in enumerate(cases):
-        assert grad[i].item() == pytest.approx(want, abs=1e-6), explain(cases, i, "d loss / d r",
-                                                                        grad[i].item(), dual_clip)
-    assert torch.all(grad[clipped] == 0), "a clipped token still has a gradient"
+        got = grad[i].item()
+        assert got == pytest.approx(want, abs=1e-6), explain(cases, i, 2, got, dual_clip)
+    assert torch.all(grad[clipped] == 0), "a token marked clipped still has a gradient"
 
 
 def test_any_shape():
     r = torch.tensor([[0.5, 1.0, 1.5], [2.0, 0.9, 1.1]])
     A = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
     loss, clipped = impl.ppo_token_loss(r, A, LOW, HIGH, 3.0)
-    assert loss.shape == (2, 3) and clipped.shape == (2, 3)
-    torch.testing.assert_close(loss.detach(), torch.tensor([[-0.5, -1.0, -1.28], [2.0, 0.9, 1.1]]))
+    assert loss.shape == (2, 3) and clipped.shape == (2, 3), (
+        f"a [2, 3] batch of ratios gave a loss of shape {tuple(loss.shape)} and clipped "
+        f"{tuple(clipped.shape)}: elementwise, the shape of r")
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-0.5, -1.0, -1.28], [2.0, 0.9, 1.1]]),
+                               msg=lambda m: f"a [2, 3] batch (dual_clip 3): {m}")
 
 
 @pytest.mark.parametrize("dual_clip", [0.0, 3.0])
@@ -113,7 +129,7 @@ def test_as_a_loss_it_is_the_projects_ppo(monkeypatch, dual_clip):
         loss.backward()
         results.append((loss.item(), metrics, logp.grad))
     (mine, mine_m, mine_g), (ppo, ppo_m, ppo_g) = results
-    assert ppo_m["clip_frac"] > 0.2                              # (the batch exercises the clip)
+    assert ppo_m["clip_frac"] > 0.2, "the grader's batch no longer exercises the clip"
     assert mine == pytest.approx(ppo, rel=1e-6), "the batch's loss differs from --loss ppo's"
     assert mine_m["clip_frac"] == pytest.approx(ppo_m["clip_frac"]), "clip_frac differs: check `clipped`"
     torch.testing.assert_close(mine_g, ppo_g, msg="the gradient differs from --loss ppo's")

@@ -19,7 +19,8 @@ Implement RetryEnv:
   tells the model to try again (short; the tiny model's tokenizer knows few characters: " no. again:\n"
   is safe). Wrong on the second try: reward 0.0, done.
 
-Read for inspiration: `rollout.SingleTurnEnv` (one step) and `ext/games.py`'s GuessEnv (many turns).
+docs/tour.md's section 3 follows one trajectory. Read for inspiration: `rollout.SingleTurnEnv` (one step)
+and `ext/games.py`'s GuessEnv (many turns).
 The grader runs your env through the real `rollout.run_trajectory` over `tools.fake_engine.FakeTimedEngine`
 answering scripted text, and checks the turns, the tokens, the loss mask and the reward.
 

@@ -69,33 +69,44 @@ def action(text: str) -> list[int]:
 
 def test_right_the_first_time():
     s, steps = roll(["4", "4"])
-    assert s.prompt_ids == FMT.first(PROBLEM.prompt), "reset must return the problem's prompt"
-    assert s.num_turns == 1 and len(steps) == 1, "a right first answer ends the episode (done)"
-    assert s.reward == 1.0
-    assert s.response_ids == action("4") and s.loss_mask == [1, 1] and len(s.versions) == 2
+    assert s.prompt_ids == FMT.first(PROBLEM.prompt), (
+        f"reset must return the problem's prompt {PROBLEM.prompt!r}; the sample's prompt is "
+        f"{TOK.decode(s.prompt_ids)!r}")
+    assert s.num_turns == 1 and len(steps) == 1, (
+        f"a right first answer ends the episode (done): it ran {len(steps)} steps")
+    assert s.reward == 1.0, f"right the first time: reward {s.reward}, want 1.0"
+    assert s.response_ids == action("4") and s.loss_mask == [1, 1] and len(s.versions) == 2, (
+        f"one model turn, '4' and its EOS, both trained: response {s.response_ids}, mask {s.loss_mask}")
 
 
 def test_right_the_second_time_gets_half():
     s, steps = roll(["5", "4"])
-    assert len(steps) == 2 and s.num_turns == 2, "a wrong first answer must not end the episode"
+    assert len(steps) == 2 and s.num_turns == 2, (
+        f"a wrong first answer must not end the episode: {len(steps)} step(s), {s.num_turns} turn(s)")
     (_, obs, r1, done1, _), (_, _, r2, done2, _) = steps
-    assert (r1, done1) == (0.0, False), "the first, wrong, step: reward 0.0, not done"
+    assert (r1, done1) == (0.0, False), (
+        f"the first, wrong, step: (reward, done) {(r1, done1)}, want (0.0, False)")
     assert obs.strip(), "the first step's observation should tell the model to try again"
-    assert (r2, done2) == (0.5, True), "right on the second try: reward 0.5 (halved), done"
-    assert s.reward == 0.5, "the sample's reward is the sum of its step rewards"
+    assert (r2, done2) == (0.5, True), (
+        f"right on the second try: (reward, done) {(r2, done2)}, want (0.5, True): the reward halved")
+    assert s.reward == 0.5, f"the sample's reward is the sum of its step rewards: {s.reward}, want 0.5"
     obs_ids = FMT.next(obs, TOK.eos_token_id)        # the observation's tokens after a turn ended on EOS
-    assert s.response_ids == action("5") + obs_ids + action("4")
+    assert s.response_ids == action("5") + obs_ids + action("4"), (
+        f"the response is turn 1, the observation, turn 2: got {TOK.decode(s.response_ids)!r}")
     assert s.loss_mask == [1, 1] + [0] * len(obs_ids) + [1, 1], "1 on the model's tokens, 0 on the env's"
     assert len(s.versions) == sum(s.loss_mask) == 4, "a policy version per model token"
-    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if not m)
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if not m), "observation tokens: logprob 0"
 
 
 def test_wrong_twice_ends_with_nothing():
     s, steps = roll(["5", "3", "4"])
     assert len(steps) == 2 and s.num_turns == 2, "two tries at most: the second one is done, right or wrong"
-    assert [st[2:4] for st in steps] == [(0.0, False), (0.0, True)]
-    assert s.reward == 0.0
-    assert sum(s.loss_mask) == len(s.versions) == 4
+    got = [st[2:4] for st in steps]
+    assert got == [(0.0, False), (0.0, True)], (
+        f"wrong, then wrong again: the steps' (reward, done) were {got}; want reward 0.0 and not done after "
+        f"the first, reward 0.0 and done after the second")
+    assert s.reward == 0.0, f"wrong twice: reward {s.reward}, want 0.0"
+    assert sum(s.loss_mask) == len(s.versions) == 4, "two model turns of two tokens each are trained"
 
 
 @pytest.mark.parametrize("replies, want", [(["7"], 1.0), (["4", "7"], 0.5), (["4", "4"], 0.0)])
@@ -105,4 +116,6 @@ def test_the_runs_verifier_decides(replies, want):
     async def judge(problem, response):
         return float(response.strip() == "7")
     s, _ = roll(replies, reward_fn=judge)
-    assert s.reward == want
+    assert s.reward == want, (
+        f"the answers {replies} under a run's verifier that wants '7' (the reward_fn the env was given): "
+        f"reward {s.reward}, want {want}; score with rollout.score(self.problem, action, self.reward_fn)")

@@ -11,10 +11,10 @@ Implement SyncFirst.capacity: while the run has trained fewer than `n` steps, th
 `controller.Admission.capacity` computes it. Both less the groups already holding places
 (`controller.AsyncController.groups_holding_places`, your lab 1's `holding`).
 
-Count the steps trained as `ctrl.version - ctrl.version0`: `ctrl.version` is the trainer's policy version,
-one more per step, and `ctrl.version0` the version the run started at (a resumed run starts at its
-checkpoint's, not at 0). Read `controller.Admission` (its methods and when the controller calls them) and
-`ext/tail_batching.py`'s TailBatching (a whole policy).
+Count the steps trained as `ctrl.version - ctrl.version0`: `ctrl.version` is the trainer's policy version, one
+more per step, and `ctrl.version0` the version the run started at (a resumed run starts at its checkpoint's,
+not at 0). docs/tour.md's section 1 is admission. Read `controller.Admission` (its methods and when the
+controller calls them) and `ext/tail_batching.py`'s TailBatching (a whole policy).
 
 The freshness rule stays at the async ratio. With no redundant prompts (the grader's setting) a
 synchronous step has no older work in flight, so every sample it trains is of the current version. To

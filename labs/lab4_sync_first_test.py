@@ -5,7 +5,7 @@ against the synchronous (async ratio 0) and the asynchronous (async ratio 2) run
 import dataclasses
 import functools
 
-from labs.grading import load
+from labs.grading import Cap, load
 from tools.sim import SimConfig, simulate
 
 impl = load("lab4_sync_first")
@@ -17,15 +17,18 @@ B = SIM.batch_groups
 
 
 @functools.cache
-def measure(policy: str, start_version: int = 0) -> dict:
+def measure(policy: str, start_version: int = 0, redundant: int = 0) -> dict:
     """One simulated run: "sync" (async ratio 0), "async" (ratio 2) or "sync_first" (ratio 2, the student's
-    SyncFirst for N steps). Per step: staleness_max, seconds, and the most places held after an admission."""
-    cfg = dataclasses.replace(SIM, async_ratio=0 if policy == "sync" else ALPHA, start_version=start_version)
+    SyncFirst for N steps), under the grader's cap (labs/grading.Cap). Per step: staleness_max, seconds,
+    and the most places held after an admission."""
+    cfg = dataclasses.replace(SIM, async_ratio=0 if policy == "sync" else ALPHA, start_version=start_version,
+                              redundant=redundant)
     held: dict[int, int] = {}
 
     def setup(ctrl):
         if policy == "sync_first":
             ctrl.admission = impl.SyncFirst(ctrl.cfg, N)
+            Cap(ctrl, cfg.steps)
         admit = ctrl.admit
 
         async def admit_and_count(at_least=0):
@@ -46,17 +49,34 @@ def test_the_first_n_steps_are_synchronous():
     """Steps 1..N admit at most B groups (+ redundant: none here) and train only samples of the current
     version, as the synchronous run does."""
     m = measure("sync_first")
-    assert m["held"][:N] == [B] * N, f"places held in the first {N} steps: {m['held'][:N]}, want {B} each"
-    assert m["staleness"][:N] == [0] * N, f"staleness of the first {N} steps: {m['staleness'][:N]}"
+    assert m["held"][:N] == [B] * N, (
+        f"the most places held in each of the first {N} steps (synchronous): {m['held'][:N]}, want {B} each "
+        f"(B = {B} groups, no redundant ones)")
+    assert m["staleness"][:N] == [0] * N, (
+        f"the staleness of the first {N} steps: {m['staleness'][:N]}, want 0 each (synchronous)")
+
+
+def test_the_synchronous_bound_keeps_the_redundant_groups():
+    """With R redundant prompts the synchronous steps may hold B + R places, the later ones
+    (alpha + 1) * B + R: redundancy is dynamic filtering's head start in both."""
+    R = 2
+    m = measure("sync_first", redundant=R)
+    assert m["held"][:N] == [B + R] * N, (
+        f"with {R} redundant prompts, the most places held in each of the first {N} steps: {m['held'][:N]}, "
+        f"want B + redundant = {B + R} each")
+    assert m["held"][N:] == [(ALPHA + 1) * B + R] * (SIM.steps - N), (
+        f"with {R} redundant prompts, the places held after step {N}: {m['held'][N:]}, want "
+        f"(async_ratio + 1) * B + redundant = {(ALPHA + 1) * B + R} each")
 
 
 def test_then_the_async_ratio():
     """From step N + 1 on, (alpha + 1) * B groups hold places and samples up to alpha versions old train."""
     m = measure("sync_first")
     assert m["held"][N:] == [(ALPHA + 1) * B] * (SIM.steps - N), (
-        f"places held after step {N}: {m['held'][N:]}, want {(ALPHA + 1) * B} each")
+        f"the most places held in each step after step {N} (async ratio {ALPHA}): {m['held'][N:]}, want "
+        f"(async_ratio + 1) * B = {(ALPHA + 1) * B} each")
     assert max(m["staleness"][N:]) > 0, "no later step trained an older sample: rollout never ran ahead"
-    assert max(m["staleness"]) <= ALPHA
+    assert max(m["staleness"]) <= ALPHA, f"staleness per step {m['staleness']}: over the async ratio {ALPHA}"
 
 
 def test_a_resumed_run_counts_its_steps_from_where_it_resumed():
@@ -65,7 +85,9 @@ def test_a_resumed_run_counts_its_steps_from_where_it_resumed():
     assert m["held"][:N] == [B] * N and m["staleness"][:N] == [0] * N, (
         f"resumed at version 10: places held {m['held']}, staleness {m['staleness']}; count steps from "
         f"ctrl.version0")
-    assert m["held"][N:] == [(ALPHA + 1) * B] * (SIM.steps - N)
+    assert m["held"][N:] == [(ALPHA + 1) * B] * (SIM.steps - N), (
+        f"resumed at version 10: the places held after its step {N}: {m['held'][N:]}, want {(ALPHA + 1) * B} "
+        f"each")
 
 
 def test_the_seconds_per_step():

@@ -13,11 +13,12 @@ are a dataclass given as `@loss(hparams=...)`: each field becomes a flag (--lag-
 loss as `t.hp["lag_decay"]`. The trainer fills `Terms.lag` from each sample's per-token versions
 (`model.collate`, called by `trainer.Trainer.train_step` with the trainer's version).
 
-Implement lag_ppo: PPO's per-token loss (`losses.ppo`, your lab 2) times decay ** lag, passing PPO's
-extras along (its `clipped` feeds the clip_frac metric); then register it as "lag_ppo" in
-`losses.LOSSES`. Read README.md's "Fork it" (a loss) and `losses.compute_policy_loss` (what it does around
-the loss: the mask, the aggregation). The grader checks it on toy tensors with known lags against a hand
-computation, and through a real `trainer.Trainer` on the embedded tiny model.
+Implement lag_ppo: PPO's per-token loss (`losses.ppo`, your lab 2) times decay ** lag, passing PPO's extras
+along (its `clipped` feeds the clip_frac metric); then register it as "lag_ppo" in `losses.LOSSES`.
+docs/tour.md's section 5 is where a loss runs. Read `losses.ppo` and `losses.gspo` (a loss with its own
+flags), docs/fork.md's "A loss" (another loss with a flag of its own), and `losses.compute_policy_loss` (what
+it does around the loss: the mask, the aggregation). The grader checks it on toy tensors with known lags
+against a hand computation, and through a real `trainer.Trainer` on the embedded tiny model.
 
     .venv/bin/python -m pytest labs/lab5_lag_loss_test.py
 """

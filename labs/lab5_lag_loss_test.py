@@ -13,6 +13,7 @@ from losses import LossConfig, compute_policy_loss
 from trainer import TrainConfig, Trainer, collate, token_logprobs
 
 impl = load("lab5_lag_loss")
+torch.set_num_threads(1)       # (the tiny model's steps are small: more threads only spin against each other)
 CLIP = dict(clip_low=0.2, clip_high=0.28)
 
 
@@ -22,7 +23,9 @@ def registered():
 
 def test_registered_with_its_own_flag():
     registered()
-    assert LossConfig(loss="lag_ppo").loss_kwargs()["lag_decay"] == 0.5       # --loss lag_ppo accepts it
+    kw = LossConfig(loss="lag_ppo").loss_kwargs()                               # --loss lag_ppo accepts it
+    assert kw.get("lag_decay") == 0.5, (
+        f"--loss lag_ppo's keywords {sorted(kw)} lack lag_decay = 0.5: mark lag_ppo @loss(hparams=LagParams)")
 
 
 # toy batch: 2 sequences x 3 tokens, token [1, 1] masked; log r per token, advantages per sequence, lags
@@ -61,14 +64,16 @@ def test_each_tokens_gradient_is_ppos_times_decay_to_its_lag():
     _, ppo_metrics, ppo_grad = toy("ppo", 0.5)
     torch.testing.assert_close(grad, ppo_grad * 0.5 ** torch.tensor(LAG),
                                msg="the gradient is not PPO's times decay ** lag (a detach?)")
-    assert grad[1, 1] == 0 and grad.abs().sum() > 0
+    assert grad[1, 1] == 0 and grad.abs().sum() > 0, "a masked token has no gradient, the others some"
     assert metrics["clip_frac"] == ppo_metrics["clip_frac"] > 0, "pass PPO's extras ({'clipped': ...}) along"
 
 
 def test_on_policy_or_no_decay_is_ppo():
     registered()
-    assert toy("lag_ppo", 0.5, lag=[[0.0] * 3] * 2)[0] == pytest.approx(toy("ppo", 0.5)[0], rel=1e-6)
-    assert toy("lag_ppo", 1.0)[0] == pytest.approx(toy("ppo", 1.0)[0], rel=1e-6)
+    on_policy, ppo = toy("lag_ppo", 0.5, lag=[[0.0] * 3] * 2)[0], toy("ppo", 0.5)[0]
+    assert on_policy == pytest.approx(ppo, rel=1e-6), f"every lag 0: loss {on_policy}, PPO's {ppo}"
+    no_decay, ppo = toy("lag_ppo", 1.0)[0], toy("ppo", 1.0)[0]
+    assert no_decay == pytest.approx(ppo, rel=1e-6), f"lag_decay 1: loss {no_decay}, PPO's {ppo}"
 
 
 # --- through the trainer

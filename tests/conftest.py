@@ -77,6 +77,8 @@ def close_shared_engine():
 def pytest_collection_modifyitems(items):
     users = [i for i in items if "vllm_proxy" in getattr(i, "fixturenames", ())]
     SHARED_ENGINE["last"] = users[-1] if users else None
+    for item in items:        # (a JUnit report's properties: tools/suite_times.py tells the tiers apart)
+        item.user_properties.append(("markers", ",".join(sorted({m.name for m in item.iter_markers()}))))
 
 
 @pytest.hookimpl(trylast=True)

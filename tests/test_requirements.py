@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ext", "tools", "tests", "examples")      # the project's folders of modules, besides the root
+PACKAGES = ("ext", "tools", "tests", "examples", "labs")   # the folders of modules besides the root
 
 # Imported but deliberately not in requirements.txt: package -> the files that may import it, in the
 # code path that needs it, which says how to install it

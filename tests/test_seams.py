@@ -1,7 +1,6 @@
-"""The core's seams, each plugged in from outside the core by the README's "Fork it" code (executed as
-written there) and run: a loss, an advantage estimator, an environment, a reward, a weight transport, an
-admission policy, a freshness rule. A snippet that no longer plugs in or no longer does what the README says
-fails here."""
+"""The core's seams, each plugged in from outside the core by docs/fork.md's code (executed as written there)
+and run: a loss, an advantage estimator, an environment, a reward, a weight transport, an admission policy, a
+freshness rule. A snippet that no longer plugs in or no longer does what docs/fork.md says fails here."""
 
 import asyncio
 import dataclasses
@@ -23,19 +22,16 @@ from controller import ControllerConfig, WholeBatch
 from losses import LossConfig, compute_policy_loss, estimate_advantages
 from task import Problem
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+FORK = pathlib.Path(__file__).resolve().parent.parent / "docs" / "fork.md"
 
 
 def fork_it_blocks() -> dict[str, str]:
-    """The python blocks of the README's "Fork it", by the registry each one fills."""
-    text = README.read_text()
-    section = text[text.index("## Fork it"):]
-    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    """The python blocks of docs/fork.md, by the registry each one fills."""
+    blocks = re.findall(r"```python\n(.*?)```", FORK.read_text(), re.S)
     out = {}
     for key in ("LOSSES", "ADV_ESTIMATORS", "ENVS", "--reward", "TRANSPORTS", "Admission", "Freshness"):
         hits = [b for b in blocks if key in b]
-        assert len(hits) == 1, f"README.md's Fork it: {len(hits)} blocks name {key}, expected one"
+        assert len(hits) == 1, f"docs/fork.md: {len(hits)} blocks name {key}, expected one"
         out[key] = hits[0]
     return out
 
@@ -45,15 +41,15 @@ REGISTRIES = (losses.LOSSES, losses.ADV_ESTIMATORS, rollout.ENVS, weight_sync.TR
 
 @pytest.fixture
 def plug(monkeypatch):
-    """Run a README block as a module of its own (`fork_<key>`, in sys.modules while the test runs); every
-    registry is as it was afterwards."""
+    """Run a docs/fork.md block as a module of its own (`fork_<key>`, in sys.modules while the test runs);
+    every registry is as it was afterwards."""
     saved = [dict(r) for r in REGISTRIES]
 
     def run(key: str, base: dict | None = None) -> types.ModuleType:
         mod = types.ModuleType(f"fork_{key.lower()}")
         mod.__dict__.update(base or {})
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
-        exec(compile(fork_it_blocks()[key], f"README.md (Fork it: {key})", "exec"), mod.__dict__)
+        exec(compile(fork_it_blocks()[key], f"docs/fork.md ({key})", "exec"), mod.__dict__)
         return mod
     yield run
     for r, before in zip(REGISTRIES, saved):
@@ -62,31 +58,33 @@ def plug(monkeypatch):
 
 
 def in_losses() -> dict:
-    """What a block written into losses.py sees (the README: "in losses.py or an ext/ file")."""
+    """What a block written into losses.py sees (docs/fork.md: "in losses.py or an ext/ file")."""
     return {k: v for k, v in vars(losses).items() if not k.startswith("__")}
 
 
-def test_a_loss_is_one_function_with_its_own_flag_and_sees_each_tokens_lag(plug, capsys):
-    """The README's lag_ppo, registered from outside losses.py: --loss takes it, its own flag parses through
-    train.py's Config (checked by its dataclass) into compute_policy_loss's keywords, and on toy tensors with
-    known lags its loss is PPO's per token times decay ** lag (by hand), a masked token counting nothing."""
+def test_a_loss_is_one_function_with_its_own_flag(plug, capsys):
+    """docs/fork.md's kl_ppo, registered from outside losses.py: --loss takes it, its own flag parses through
+    train.py's Config (checked by its dataclass) into compute_policy_loss's keywords, and on toy tensors its
+    loss is PPO's per token plus coef * (r - 1 - log r) (by hand), a masked token counting nothing."""
     plug("LOSSES")
     from train import Config
-    kw = config.parse_cli(Config, ["--loss", "lag_ppo", "--lag-decay", "0.25"]).train.loss_kwargs()
-    assert kw["lag_decay"] == 0.25 and LossConfig(loss="lag_ppo").loss_kwargs()["lag_decay"] == 0.5
+    kw = config.parse_cli(Config, ["--loss", "kl_ppo", "--kl-mu-coef", "0.25"]).train.loss_kwargs()
+    assert kw["kl_mu_coef"] == 0.25 and LossConfig(loss="kl_ppo").loss_kwargs()["kl_mu_coef"] == 0.1
     with pytest.raises(SystemExit):
-        config.parse_cli(Config, ["--lag-decay", "1.5"])
-    assert "--lag-decay must be <= 1, got 1.5" in capsys.readouterr().err
+        config.parse_cli(Config, ["--kl-mu-coef", "-1"])
+    assert "--kl-mu-coef must be >= 0, got -1" in capsys.readouterr().err
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.5, -0.2, -0.7]], requires_grad=True)
     old = logp.detach() - torch.tensor([[0.1, -0.4, 0.5], [0.0, 0.3, -0.1]])      # log r per token
-    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 1], [1, 0, 1]])
-    lag = torch.tensor([[0.0, 1.0, 2.0], [3.0, 7.0, 1.0]])                           # [1, 1]: masked
-    loss, _ = compute_policy_loss(logp, old, adv, mask, "lag_ppo", fields={"lag": lag}, **kw)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 1], [1, 0, 1]])    # [1, 1]: masked
+    loss, metrics = compute_policy_loss(logp, old, adv, mask, "kl_ppo", **kw)
     want = 0.0
     for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]:
-        r, a = math.exp(logp[b, t].item() - old[b, t].item()), adv[b].item()
-        want += 0.25 ** lag[b, t].item() * max(-r * a, -min(max(r, 0.8), 1.28) * a)
+        log_r = logp[b, t].item() - old[b, t].item()
+        r, a = math.exp(log_r), adv[b].item()
+        want += max(-r * a, -min(max(r, 0.8), 1.28) * a) + 0.25 * (r - 1 - log_r)
     assert loss.item() == pytest.approx(want / 5, rel=1e-6)
+    _, ppo_metrics = compute_policy_loss(logp, old, adv, mask, "ppo", **kw)
+    assert metrics["clip_frac"] == ppo_metrics["clip_frac"] > 0                   # PPO's extras pass along
     loss.backward()
     assert logp.grad[1, 1] == 0 and logp.grad.abs().sum() > 0
 
@@ -110,11 +108,13 @@ def test_an_advantage_estimator_is_one_function_and_its_entry(plug):
 
 
 def test_an_environment_is_one_file(plug):
+    """docs/fork.md's plus_one env: --env takes it; the second question is the first's answer plus one, half a
+    point for each right answer, two steps."""
     plug("ENVS")
-    assert ControllerConfig(env="retry").env == "retry"               # --env accepts it
+    assert ControllerConfig(env="plus_one").env == "plus_one"               # --env accepts it
 
     def play(actions):
-        env = rollout.ENVS["retry"](Problem("2+2=", "4"), seed=0)
+        env = rollout.ENVS["plus_one"](Problem("2+2=", "4"), seed=0)
         async def main():
             out = [await env.reset(0)]
             for a in actions:
@@ -123,10 +123,10 @@ def test_an_environment_is_one_file(plug):
                     break
             return out
         return asyncio.run(main())
-    assert play(["4"])[1][1:3] == (1.0, True)
-    first, wrong, right = play(["5", "4"])
-    assert first == "2+2=" and wrong[1:3] == (0.0, False) and right[1:3] == (0.5, True)
-    assert play(["5", "3", "4"])[-1][1:3] == (0.0, True)              # two tries at most
+    first, right, right_again = play(["4", "5", "9"])
+    assert first == "2+2=" and right[:3] == ("\n4+1=", 0.5, False) and right_again[1:3] == (0.5, True)
+    assert [step[1] for step in play(["3", "5"])[1:]] == [0.0, 0.5]   # the chain goes on from the true answer
+    assert [step[1:3] for step in play(["4", "4"])[1:]] == [(0.5, False), (0.0, True)]
 
 
 class RecordingRunner:
@@ -142,7 +142,7 @@ class RecordingRunner:
 
 
 def test_a_weight_transport_is_one_file_and_no_core_edit(plug, tmp_path):
-    """The README's file transport, through the core's two ends: the trainer's sender from TRANSPORTS, the
+    """docs/fork.md's file transport, through the core's two ends: the trainer's sender from TRANSPORTS, the
     engine worker's WeightSyncWorker.receive_weights, which hands the spec's receiver the sync; two syncs,
     bit-exact in the engine's dtype."""
     plug("TRANSPORTS")
@@ -168,27 +168,37 @@ def test_a_weight_transport_is_one_file_and_no_core_edit(plug, tmp_path):
 
 
 def test_an_admission_policy_is_one_file(plug, monkeypatch):
-    """The README's --sync-first: its flag parses, its Extension hands the controller its policy, and in a
-    simulated run (the real controller, env managers and proxies over the fake engine) the first steps
-    train only on samples of the current version, the later ones on older ones too."""
+    """docs/fork.md's --admit-burst: its flag parses, its Extension hands the controller its policy, and in a
+    simulated run (the real controller, env managers and proxies over the fake engine) no admission admits
+    more than N groups while the async ratio's bound still fills: every step trains, some on older samples."""
     mod = plug("Admission")
-    assert "sync_first" in config.EXTENSIONS
+    assert "admit_burst" in config.EXTENSIONS
+    from train import Config
+    assert config.parse_cli(Config, ["--admit-burst", "3"]).ext["admit_burst"].admit_burst == 3
     from tools.sim import SimConfig, simulate
-    n, staleness = 3, []
-    cfg = SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=2, steps=8, warmup=1,
+    n, admitted, held, staleness = 3, [], [], []
+    cfg = SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=2, steps=6, warmup=1,
                     async_ratio=2, redundant=0, filter_groups=False)
 
     def setup(ctrl):
-        ctrl.admission = mod.SyncFirstExt(None, mod.SyncFirstConfig(sync_first=n)).admission(ctrl.cfg)
-        assert isinstance(ctrl.admission, mod.SyncFirst)
+        ctrl.admission = mod.AdmitBurst(None, mod.BurstConfig(admit_burst=n)).admission(ctrl.cfg)
+        assert isinstance(ctrl.admission, mod.Burst)
+        admit = ctrl.admit
+
+        async def counted(at_least=0):
+            admitted.append(await admit(at_least))
+            held.append(ctrl.groups_holding_places())
+            return admitted[-1]
+        ctrl.admit = counted
 
     simulate(cfg, setup=setup, observe=lambda ctrl, step: staleness.append(step.info["staleness_max"]))
-    assert staleness[:n] == [0] * n and max(staleness[n:]) > 0, staleness
+    assert max(admitted) == n and max(held) == 3 * cfg.batch_groups, (admitted, held)
+    assert len(staleness) == cfg.steps and max(staleness) > 0, staleness
 
 
 def test_a_freshness_rule_is_one_file(plug):
-    """The README's --max-async-ratio: its flag parses, its Extension hands the controller its rule, and in a
-    simulated run from --async-ratio 0 (the trainer waits for rollout every step) the bound grows a version
+    """docs/fork.md's --max-async-ratio: its flag parses, its Extension hands the controller its rule, and in
+    a simulated run from --async-ratio 0 (the trainer waits for rollout every step) the bound grows a version
     a step up to the flag's value; no trained sample lags more than the bound of its step."""
     mod = plug("Freshness")
     assert "adaptive_ratio" in config.EXTENSIONS
@@ -213,7 +223,7 @@ def test_a_freshness_rule_is_one_file(plug):
 
 
 def test_a_negative_reward_reaches_the_advantages(plug):
-    """The README's --reward penalty:overlong: a long wrong answer's penalty stays in the sample (no clip to
+    """docs/fork.md's --reward penalty:overlong: a long wrong answer's penalty stays in the sample (no clip to
     [0, 1]) and reaches its group's advantages through the env, the trajectory and WholeBatch; a reward of
     NaN fails the sample, naming the env."""
     from buffer import RolloutTask

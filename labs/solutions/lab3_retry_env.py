@@ -1,4 +1,4 @@
-"""Lab 3's reference: README.md's RetryEnv (Fork it: "An environment"), over the project's rollout.score."""
+"""Lab 3's reference: RetryEnv over the project's rollout.score (the task's verifier, or the run's)."""
 
 from rollout import ENVS, score
 

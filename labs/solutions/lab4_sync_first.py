@@ -1,5 +1,4 @@
-"""Lab 4's reference: README.md's SyncFirst (Fork it: "An admission policy", ext/sync_first.py there), with
-the async part left to the project's own controller.Admission.capacity."""
+"""Lab 4's reference: SyncFirst, the async part left to the project's own controller.Admission.capacity."""
 
 from controller import Admission
 

@@ -1,4 +1,4 @@
-"""Lab 5's reference: README.md's lag_ppo (Fork it: "A loss"), over the project's own losses.ppo."""
+"""Lab 5's reference: lag_ppo over the project's own losses.ppo."""
 
 from dataclasses import dataclass
 
