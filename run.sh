@@ -41,8 +41,9 @@ case "$cmd" in
         "$venv/bin/python" tiny_model.py --quiet
         # --teacher .cache/tiny-teacher: the embedded distillation teacher, built on first use too
         if [[ " $* " == *"tiny-teacher"* ]]; then "$venv/bin/python" -m ext.distill --build --quiet; fi
-        # --judge .cache/tiny-judge: the embedded LLM judge, the same
-        if [[ " $* " == *"tiny-judge"* ]]; then "$venv/bin/python" -m ext.judge --build --quiet; fi
+        # --judge .cache/tiny-judge: the embedded LLM judge, the same (.cache/tiny-judge-test: the tests' judge)
+        if [[ " $* " == *"tiny-judge-test"* ]]; then "$venv/bin/python" -m ext.judge --build --test --quiet
+        elif [[ " $* " == *"tiny-judge"* ]]; then "$venv/bin/python" -m ext.judge --build --quiet; fi
         # torchrun prints a banner when it has to set this itself; every rank runs one thread on its own core
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         # the default layout for a 2-core machine: one trainer rank and one engine, a core each; as many

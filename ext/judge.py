@@ -25,6 +25,12 @@ instructions. Then, by --judge-rule:
     score   the judge's greedy reply (--judge-max-tokens): its first word "yes" -> 1, "no" -> 0, or a number
             in [0, 1]; anything else is unparsed: reward 0, counted (judge_unparsed)
 
+Refused at start-up, by name, before any engine starts (fit_errors): a template with characters the judge's
+tokenizer has no token for, and a judge whose context cannot hold the longest request the run can send it:
+the template with the longest prompt and answer (every row of --data, else 1,000 drawn problems), a response
+of --max-tokens and the verdict's tokens. What the flags alone show is refused when they are parsed (run.sh's
+--print-world-size, before torchrun starts), the rest on rank 0 before the ranks start their engines.
+
 reward = --judge-weight x verdict + (1 - --judge-weight) x the verifier's (--reward) reward; at weight 1 the
 verifier is not called. Held-out evaluation (ext/eval.py) scores with the verifier, never the judge (--reward
 none: the task's own check), so held-out reward stays comparable between judged and verified runs.
@@ -36,7 +42,8 @@ verifier's mean reward of the same samples, a record, not trained on: the judge'
 not is the student learning the judge's blind spots; the verifier is called on the rollout rank's event loop,
 as at --judge-weight < 1, so a slow one, math-verify on --data, slows the rank).
 
-The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it):
+The embedded judge (.cache/tiny-judge, `python -m ext.judge --build`, run.sh builds it when --judge names it;
+the tests use half its build, `--build --test`: TEST_JUDGE):
 a model of the student's shape and character tokenizer trained from scratch on verdicts against the reference
 answer, "37+485=522\n37+485=523?" -> "no" (wrong answers mostly near misses and changed digits, as the
 student's are). Its template (judge_template.txt in its dir, the default for it) is that one line. The
@@ -52,6 +59,7 @@ the rule above is what keeps a real judge's instructions apart.
 
 import asyncio
 import contextvars
+import functools
 import math
 import random
 import re
@@ -60,11 +68,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import Extension, check, extension, opt
-from ext.served import check_model_dir, client, run_rank, stop
+from ext.served import check_model_dir, client, drawn_problems, run_rank, served_context, stop
 
 NAME = "judge"               # its served ranks' queues (ext/served.py)
 ROOT = Path(__file__).resolve().parent.parent
 TINY_JUDGE = ROOT / ".cache" / "tiny-judge"
+TEST_JUDGE = ROOT / ".cache" / "tiny-judge-test"     # the tests' judge: half the embedded judge's build
 TEMPLATE_FILE = "judge_template.txt"         # in a judge's dir: its default template
 DEFAULT_TEMPLATE = """[system]
 You grade answers to problems. Read the problem, the reference answer and a response, then reply with one
@@ -212,6 +221,88 @@ def yes_probability(logp_yes: float, logp_no: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# what the judge must be able to read: checked at start-up, before any engine starts
+
+
+@functools.lru_cache(maxsize=4)
+def judge_tokenizer(path: str):
+    """The judge's tokenizer (once a process: a config is checked each time it is rebuilt)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def unknown_chars(tokenizer, sections: list[tuple[str, str]]) -> str:
+    """The characters of the template's own text (its placeholders left out) that the tokenizer cannot hold:
+    it reads them as its unknown token or drops them without a word (the embedded model's character
+    tokenizer, as transformers loads it from the model dir, drops them): its tokens do not give them back."""
+    text = re.sub(r"\{(prompt|response|answer)\}", "", "".join(t for _, t in sections))
+    encode = functools.partial(tokenizer, add_special_tokens=False, split_special_tokens=True)
+    if tokenizer.decode(encode(text)["input_ids"]) == text:
+        return ""
+    unk = getattr(tokenizer, "unk_token_id", None)
+
+    def lost(c: str) -> bool:
+        ids = encode(c)["input_ids"]
+        return not ids or unk in ids or tokenizer.decode(ids) != c
+    return "".join(sorted({c for c in text if not c.isspace() and lost(c)}))
+
+
+def longest_request(tokenizer, sections, problems, response_tokens: int, candidates: int = 16):
+    """(tokens, problem) of the longest conversation the judge can be sent: the template rendered with a
+    problem's prompt and answer and an empty response, plus response_tokens for each {response} in it (no
+    problems: the template with empty placeholders; problem None). The problems are ranked by their prompt's
+    and answer's own tokens, counted as often as the template names them; the `candidates` first are
+    rendered, since a rendering's merges at the seams may shift the count by a token or two."""
+    text = "".join(t for _, t in sections)
+    per = {k: text.count("{" + k + "}") for k in ("prompt", "answer", "response")}
+    if problems:
+        encode = functools.partial(tokenizer, add_special_tokens=False, split_special_tokens=True)
+        prompts, answers = (encode([getattr(p, k) for p in problems])["input_ids"] for k in ("prompt",
+                                                                                              "answer"))
+        sizes = [per["prompt"] * len(a) + per["answer"] * len(b) for a, b in zip(prompts, answers)]
+        ranked = sorted(range(len(problems)), key=sizes.__getitem__, reverse=True)[:candidates]
+        top = [problems[i] for i in ranked]
+    else:
+        top = [None]
+    n, longest = max((len(render(tokenizer, fill(sections, p.prompt, "", p.answer) if p else
+                                 fill(sections, "", "", ""))), i) for i, p in enumerate(top))
+    return n + per["response"] * response_tokens, top[longest]
+
+
+def fit_errors(part: "JudgeConfig", template: str, problems=(), max_tokens: int = 0, drawn: str = "",
+               context: int | None = None) -> tuple[list[str], int]:
+    """(why the judge cannot read what it will be sent, one line each naming its flags (empty: it can), the
+    longest request's tokens). The reasons: the template has characters the judge's tokenizer has no token
+    for (unknown_chars); the longest request (longest_request over the problems `drawn` names, a response of
+    max_tokens, then the verdict's tokens: one for --judge-rule yes, --judge-max-tokens for score) is longer
+    than the judge's context (ext.served.served_context), so every sample would fail.
+
+    A response is counted as max_tokens tokens of the judge's tokenizer: exact when it is the student's (the
+    embedded judge's case), a close estimate for another tokenizer of the same kind. The judge reads the
+    action the env's reward step scores: one model turn (the last, in a multi-turn env of this project)."""
+    tok, errors = judge_tokenizer(part.judge), []
+    sections = read_template(template, f"--judge-template {template}")
+    name = template if template != "<default>" else "<default> (the built-in template)"
+    missing = unknown_chars(tok, sections)
+    if missing:
+        errors.append(f"--judge-template {name}: the judge's tokenizer (--judge {part.judge}) has no token "
+                      f"for {missing!r}: the judge would never read them; write it in characters it has")
+    context = context or served_context(part.judge)
+    verdict = 1 if part.judge_rule == "yes" else part.judge_max_tokens
+    n, problem = longest_request(tok, sections, problems, max_tokens)
+    if n + verdict > context:
+        what = (f"with the longest prompt and answer of {drawn} ({problem.prompt[:40]!r} -> "
+                f"{problem.answer[:20]!r})" if problem is not None else "alone (its placeholders empty)")
+        errors.append(f"--judge {part.judge}: its context ({context} tokens) cannot hold the longest request "
+                      f"({n + verdict} tokens): --judge-template {name} rendered {what}"
+                      + (f", a response of --max-tokens {max_tokens}" if max_tokens else "")
+                      + f" and the verdict's {verdict} token(s) (--judge-rule {part.judge_rule}"
+                      + (", --judge-max-tokens" if part.judge_rule == "score" else "")
+                      + "); a judge with a longer context, a shorter template or fewer --max-tokens")
+    return errors, n + verdict
+
+
+# ---------------------------------------------------------------------------------------------
 # a rollout rank's side: the scorer, and the finisher that records what the reward step learned
 
 
@@ -320,13 +411,17 @@ class Judge(Extension):
 
     @classmethod
     def configure(cls, cfg, part):
-        check_model_dir("--judge", part.judge, "python -m ext.judge --build"
-                        if part.judge.rstrip("/").endswith("tiny-judge") else "")
+        built = {TINY_JUDGE: "python -m ext.judge --build", TEST_JUDGE: "python -m ext.judge --build --test"}
+        check_model_dir("--judge", part.judge, built.get(Path(part.judge).resolve(), ""))
         teacher = cfg.ext["distill"].teacher if "distill" in cfg.ext else ""
         if not part.judge_gpus and not (teacher and Path(teacher).resolve() == Path(part.judge).resolve()):
             raise ValueError(f"--judge {part.judge} needs --judge-gpus K (ranks to serve it), or --teacher "
                              f"the same dir (its ranks serve both)")
-        read_template(cls.template(part), f"--judge-template {cls.template(part)}")
+        # what can be known from the flags alone: the template against the judge's tokenizer and context
+        # (startup_lines checks the whole request: the prompts, --max-tokens resolved)
+        errors, _ = fit_errors(part, cls.template(part), max_tokens=cfg.rollout.max_tokens)
+        if errors:
+            raise ValueError("\n".join(errors))
         if cfg.ext["verifiers"].reward_workers > 0:
             raise ValueError("--judge with --reward-workers: the judge is the rollout ranks' scorer and "
                              "calls the verifier itself; leave --reward-workers at its default")
@@ -353,9 +448,16 @@ class Judge(Extension):
         run_rank(self.cfg, self.part.judge, NAME, index, device, engine_core, buffer_addr)
 
     def startup_lines(self, model_dir: str, device: str):
+        """(rank 0, before the engines start) The judge must hold the longest request the run can send it:
+        the template with --data's longest row (or the longest of 1,000 drawn problems) and --max-tokens."""
+        problems, drawn = drawn_problems(self.cfg)
+        template, context = self.template(self.part), served_context(self.part.judge)
+        errors, n = fit_errors(self.part, template, problems, self.cfg.rollout.max_tokens, drawn, context)
+        if errors:
+            raise SystemExit("\n".join(errors))
         name, k = self.served()
         return (f"judge: {self.part.judge} on {k} {name} rank(s), rule {self.part.judge_rule}, weight "
-                f"{self.part.judge_weight}, template {self.template(self.part)}")
+                f"{self.part.judge_weight}, template {template}; its longest request {n} of {context} tokens")
 
     def scorer(self, index: int, buffer):
         from task import load_reward
@@ -440,12 +542,21 @@ def judge_examples(seed: int = 0):
     return example
 
 
-def ensure_tiny_judge(log=print) -> Path:
+# The tests' judge (TEST_JUDGE): the embedded judge's build stopped at half its steps (the same seed and
+# examples: the first 1,000 of its 2,000 batches), half the build's time. It agrees with the verifier on 89.0%
+# of the student's answers, the full build on 93.9% (`python -m tools.judge_study --agreement-only --judge
+# DIR`, 1,000 pairs). What the tests need of it is a verdict that varies with the response, which RL can climb
+# (tests/test_judge.py's torchrun run).
+STEPS, TEST_STEPS = 2000, 1000
+
+
+def ensure_tiny_judge(log=print, test: bool = False) -> Path:
     """Build (or reuse) .cache/tiny-judge: a model of the embedded student's shape and tokenizer trained from
-    scratch on verdicts alone (2,000 steps)."""
+    scratch on verdicts alone (2,000 steps); test: the tests' judge instead (TEST_JUDGE)."""
     import tiny_model
-    cfg = tiny_model.TinyConfig(seed=5, sft_steps=2000, tool_frac=1.0)
-    path = tiny_model.ensure_tiny_model(TINY_JUDGE, cfg, log=log, tool=judge_examples(5))
+    cfg = tiny_model.TinyConfig(seed=5, sft_steps=TEST_STEPS if test else STEPS, tool_frac=1.0)
+    path = tiny_model.ensure_tiny_model(TEST_JUDGE if test else TINY_JUDGE, cfg, log=log,
+                                        tool=judge_examples(5))
     if not (path / TEMPLATE_FILE).exists() or (path / TEMPLATE_FILE).read_text() != TINY_TEMPLATE:
         (path / TEMPLATE_FILE).write_text(TINY_TEMPLATE)
     return path
@@ -455,7 +566,9 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="build (or reuse) .cache/tiny-judge")
+    ap.add_argument("--test", action="store_true",
+                    help="with --build: the tests' judge instead, .cache/tiny-judge-test")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     if args.build:
-        ensure_tiny_judge(log=(lambda *a: None) if args.quiet else print)
+        ensure_tiny_judge(log=(lambda *a: None) if args.quiet else print, test=args.test)

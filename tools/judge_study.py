@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tools.judge_study                   # everything below (~17 min on 2 cores)
     .venv/bin/python -m tools.judge_study --seeds 0 --steps 6 --pairs 100     # a quick look
+    .venv/bin/python -m tools.judge_study --agreement-only --judge DIR       # table 1 alone, of any judge
 
 The embedded student (.cache/tiny-qwen2) and judge (.cache/tiny-judge, built on first use), every run
 `torchrun train.py` (1 trainer, 1 rollout rank, and with the judge 1 judge rank: real vLLM engines), the
@@ -148,11 +149,14 @@ def main():
     ap.add_argument("--timeout-s", type=float, default=1200, help="per run")
     ap.add_argument("--runs-dir", default="/tmp/judge_study", help="the runs' out dirs and logs")
     ap.add_argument("--out", default=str(ROOT / "results" / "judge"), help="writes OUT.json, OUT.md")
+    ap.add_argument("--agreement-only", action="store_true",
+                    help="only table 1, the judge against the verifier on --pairs pairs (printed; nothing "
+                         "written)")
     args = ap.parse_args()
     import tiny_model
-    from ext.judge import TINY_JUDGE, ensure_tiny_judge
-    if args.judge == str(TINY_JUDGE):
-        ensure_tiny_judge()
+    from ext.judge import TEST_JUDGE, TINY_JUDGE, ensure_tiny_judge
+    if Path(args.judge).resolve() in (TINY_JUDGE, TEST_JUDGE):       # (the embedded ones: built on first use)
+        ensure_tiny_judge(test=Path(args.judge).resolve() == TEST_JUDGE)
     seeds = [int(s) for s in args.seeds.split(",")]
     seeds0 = [int(s) for s in args.ratio0_seeds.split(",") if s]
     judged = ["--judge", args.judge, "--judge-gpus", "1", "--reward", "none", "--judge-audit"]
@@ -162,6 +166,9 @@ def main():
     out_root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ag = agreement(args.judge, args.pairs)
+    if args.agreement_only:
+        print(json.dumps({"judge": args.judge, **ag}))
+        return
     student = held_out_of(str(tiny_model.ensure_tiny_model(log=lambda *a: None)), args)
     print(f"judge_study: agreement {ag['agreement']:.1%} on {args.pairs} pairs "
           f"({time.monotonic() - t0:.0f}s); {len(plan)} runs of {args.steps} steps", flush=True)
