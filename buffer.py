@@ -2,7 +2,7 @@
 
     controller (trainer rank 0)                      rollout ranks (env_manager.py)
       put_tasks([RolloutTask])  -- task queue ---->   exchange(rank, samples, ...): a control-loop tick's
-      get_sample()           <--- sample queue ----     traffic in one round trip; get_tasks_nowait(n)
+      get_sample()           <--- sample queue ----     traffic in one round trip; poll_tasks(n)
       send_command(rank, Command) -- command queues ->  (commands: weight sync, aborts, stop)
       get_ack()              <--- ack queue -------    put_ack(Ack)
 
@@ -20,6 +20,7 @@ Design notes: DESIGN.md#bufferpy
 
 import asyncio
 import collections
+import contextlib
 import enum
 import os
 import signal
@@ -69,7 +70,7 @@ class Sample:
     @property
     def oldest_version(self) -> int:
         """The policy version of its oldest token (none: the version it was admitted under), as
-        proxy.Completion's and rollout.Trajectory's: what the freshness rule judges."""
+        rollout.Trajectory's: what the freshness rule judges."""
         return min(self.versions) if self.versions else self.admit_version
 
     @property
@@ -201,91 +202,10 @@ QUEUE_NAMES = ("tasks", "samples", "acks")
 PROBE_TEXT = "123+456=579"   # the weight-sync probe (READY, SYNCED): any text the model's vocab covers
 
 
-def exchange(transport, rank: int, samples: list, want_command: bool, max_tasks: int):
-    """A rollout rank's control-loop tick as one call on the transport (one round trip over TCP): put its
-    finished samples, take its next command (if want_command), and take up to max_tasks tasks.
-    -> (Command or None, [RolloutTask], tasks queued before the take)."""
-    if samples:
-        transport.put_many_nowait("samples", samples)
-    got = transport.get_many_nowait("commands", 1, rank) if want_command else []
-    queued = transport.qsize("tasks")
-    return (got[0] if got else None), transport.get_many_nowait("tasks", min(max_tasks, queued)), queued
-
-
-class FrontQueue(asyncio.Queue):
-    """An asyncio.Queue (FIFO) whose items can also go back to its front, in order: the tasks a rank passed
-    over keep their place. (_init, _put and _get are the hooks asyncio's own LifoQueue overrides.)"""
-
-    def _init(self, maxsize):
-        self._queue, self._front = collections.deque(), False
-
-    def _put(self, item):
-        if self._front:
-            self._queue.appendleft(item)
-        else:
-            self._queue.append(item)
-
-    def _get(self):
-        return self._queue.popleft()
-
-    def put_front_nowait(self, items: list):
-        self._front = True
-        try:
-            for item in reversed(items):
-                self.put_nowait(item)
-        finally:
-            self._front = False
-
-
-class LocalQueues:
-    """In-process asyncio queues (tests, simulator). num_ranks command queues, one per rollout rank."""
-
-    round_trips = False       # every call answers at once: no thread (virtual time stays exact)
-
-    def __init__(self, num_ranks: int):
-        self.queues = {name: FrontQueue() for name in QUEUE_NAMES}
-        self.commands = [asyncio.Queue() for _ in range(num_ranks)]
-        self.side: dict[str, ServedQueue] = {}
-
-    def named(self, name: str) -> "ServedQueue":
-        """A queue of an extension's own, by name (put_many, get_many, qsize; each call answers at once)."""
-        return self.side.setdefault(name, ServedQueue())
-
-    def q(self, name: str, rank: int | None = None):
-        return self.commands[rank] if name == "commands" else self.queues[name]
-
-    async def put_many(self, name, items, rank=None):
-        self.put_many_nowait(name, items, rank)
-
-    def put_many_nowait(self, name, items, rank=None):
-        for item in items:
-            self.q(name, rank).put_nowait(item)
-
-    async def put_front(self, name, items):
-        self.q(name).put_front_nowait(list(items))
-
-    async def get_many(self, name, max_items: int, rank=None) -> list:
-        """Wait for at least one item; return up to max_items."""
-        first = await self.q(name, rank).get()
-        return [first] + self.get_many_nowait(name, max_items - 1, rank)
-
-    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
-        q, out = self.q(name, rank), []
-        while len(out) < max_items and not q.empty():
-            out.append(q.get_nowait())
-        return out
-
-    def qsize(self, name, rank=None) -> int:
-        return self.q(name, rank).qsize()
-
-    def exchange(self, *args):
-        return exchange(self, *args)
-
-
 class ServedQueue:
-    """A queue living in the manager's server process. Every call is one TCP round trip, so each
-    moves a whole list of items. deque append/popleft are atomic: the server's per-connection
-    threads need no lock."""
+    """A FIFO queue whose every call moves a whole list of items: one TCP round trip each where it lives in
+    the manager's server process (ManagerQueues), at once in-process (LocalQueues). deque append/popleft are
+    atomic: the server's per-connection threads need no lock."""
 
     def __init__(self):
         self.items = collections.deque()
@@ -310,6 +230,67 @@ class ServedQueue:
         return len(self.items)
 
 
+class Queues:
+    """What the transports share: the queues by name, each a ServedQueue (or a manager's proxy of one) that
+    queue(name) gives; rollout rank r's commands are "commands<r>"."""
+
+    def q(self, name: str, rank: int | None = None):
+        return self.queue(f"commands{rank}" if name == "commands" else name)
+
+    def put_many_nowait(self, name, items, rank=None):
+        self.q(name, rank).put_many(items)
+
+    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
+        return self.q(name, rank).get_many(max_items)
+
+    def qsize(self, name, rank=None) -> int:
+        return self.q(name, rank).qsize()
+
+    def exchange(self, rank: int, samples: list, want_command: bool, max_tasks: int):
+        """A rollout rank's control-loop tick as one call (one round trip over TCP: ManagerQueues runs it in
+        the server): put its finished samples, take its next command (if want_command), and take up to
+        max_tasks tasks. -> (Command or None, [RolloutTask], tasks queued before the take)."""
+        if samples:
+            self.put_many_nowait("samples", samples)
+        got = self.get_many_nowait("commands", 1, rank) if want_command else []
+        queued = self.qsize("tasks")
+        return (got[0] if got else None), self.get_many_nowait("tasks", min(max_tasks, queued)), queued
+
+
+class LocalQueues(Queues):
+    """In-process queues (tests, simulator), num_ranks rollout ranks' command queues among them. An
+    extension's own queue is one more by name (named: put_many, get_many, qsize)."""
+
+    round_trips = False       # every call answers at once: no thread (virtual time stays exact)
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks, self.queues = num_ranks, {}
+        self.arrived = asyncio.Event()     # set by every put: get_many's waiter looks again
+
+    def queue(self, name: str) -> ServedQueue:
+        return self.queues.setdefault(name, ServedQueue())
+
+    named = queue
+
+    def put_many_nowait(self, name, items, rank=None):
+        super().put_many_nowait(name, items, rank)
+        self.arrived.set()
+
+    async def put_many(self, name, items, rank=None):
+        self.put_many_nowait(name, items, rank)
+
+    async def put_front(self, name, items):
+        self.q(name).put_front(list(items))
+        self.arrived.set()
+
+    async def get_many(self, name, max_items: int, rank=None) -> list:
+        """Wait for at least one item; return up to max_items."""
+        while not (items := self.get_many_nowait(name, max_items, rank)):
+            self.arrived.clear()
+            await self.arrived.wait()
+        return items
+
+
 class _QueueManager(BaseManager):
     pass
 
@@ -321,23 +302,9 @@ def _served(name: str) -> ServedQueue:
     return _SERVED.setdefault(name, ServedQueue())
 
 
-class ServedQueues:
+class ServedQueues(Queues):
     """The server's own view of all its queues: calls that touch several in one round trip (exchange)."""
-
-    def q(self, name: str, rank: int | None = None) -> ServedQueue:
-        return _served(f"commands{rank}" if name == "commands" else name)
-
-    def put_many_nowait(self, name, items, rank=None):
-        self.q(name, rank).put_many(items)
-
-    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
-        return self.q(name, rank).get_many(max_items)
-
-    def qsize(self, name, rank=None) -> int:
-        return self.q(name, rank).qsize()
-
-    def exchange(self, *args):
-        return exchange(self, *args)
+    queue = staticmethod(_served)
 
 
 _QueueManager.register("get_queue", callable=_served)
@@ -353,7 +320,7 @@ def queue_bind() -> str | None:
     return "" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else None
 
 
-class ManagerQueues:
+class ManagerQueues(Queues):
     """Queues served over TCP by a multiprocessing manager (train.py). The server side (trainer
     rank 0) calls serve(); every other rank connect()s with the same address and authkey."""
 
@@ -361,10 +328,13 @@ class ManagerQueues:
     round_trips = True        # every call waits for the server: SampleBuffer runs them off the event loop
 
     def __init__(self, manager: BaseManager, num_ranks: int):
-        self.manager = manager
-        self.queues = {name: manager.get_queue(name) for name in QUEUE_NAMES}
-        self.commands = [manager.get_queue(f"commands{r}") for r in range(num_ranks)]
+        self.manager, self.num_ranks = manager, num_ranks
+        names = (*QUEUE_NAMES, *(f"commands{r}" for r in range(num_ranks)))
+        self.queues = {name: manager.get_queue(name) for name in names}     # their proxies
         self.served = manager.get_queues()
+
+    def queue(self, name: str):
+        return self.queues[name]
 
     def named(self, name: str):
         """A queue of an extension's own on the same server, by name (put_many, get_many, qsize: each call
@@ -406,9 +376,6 @@ class ManagerQueues:
                                        f"within {timeout_s:.0f}s (--startup-timeout-s): {e}") from None
                 time.sleep(0.5)
 
-    def q(self, name: str, rank: int | None = None):
-        return self.commands[rank] if name == "commands" else self.queues[name]
-
     async def put_many(self, name, items, rank=None):
         # in a thread: the caller's event loop goes on during the round trip (the proxy per thread is
         # multiprocessing's own: each thread gets its connection)
@@ -424,22 +391,14 @@ class ManagerQueues:
             wait = min(2 * wait, longest)
         return items
 
-    def get_many_nowait(self, name, max_items: int, rank=None) -> list:
-        return self.q(name, rank).get_many(max_items)
-
-    def qsize(self, name, rank=None) -> int:
-        return self.q(name, rank).qsize()
-
     def exchange(self, *args):
         return self.served.exchange(*args)
 
     def shutdown(self):
         """Stop the queue server (server side only; a connected client has nothing to stop)."""
         if hasattr(self.manager, "shutdown"):
-            try:
+            with contextlib.suppress(Exception):   # already gone: shutting down twice is not an error
                 self.manager.shutdown()
-            except Exception:   # already gone: shutting down twice is not an error
-                pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,9 +409,8 @@ class SampleBuffer:
     MAX_BATCH = 4096       # items moved per transport call at most
 
     def __init__(self, transport, who: str = "?", timeout_s: float = 600.0):
-        self.transport = transport
-        self.who = who              # e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
-        self.timeout_s = timeout_s
+        # who: e.g. "trainer rank 0", "rollout rank 2": named in timeout errors
+        self.transport, self.who, self.timeout_s = transport, who, timeout_s
         self.inbox: collections.deque[Sample] = collections.deque()   # samples fetched, not yet handed out
 
     async def _get_many(self, name: str, phase: str, rank=None, timeout: float | None = None,
@@ -515,22 +473,16 @@ class SampleBuffer:
 
     async def exchange(self, rank: int, samples: list[Sample], want_command: bool,
                        max_tasks: int) -> tuple[Command | None, list[RolloutTask], int]:
-        """A control-loop tick's queue work in one round trip (module function exchange)."""
+        """A control-loop tick's queue work in one round trip (Queues.exchange)."""
         return await self._polled("send samples, poll commands and tasks", self.transport.exchange, rank,
                                   samples, want_command, max_tasks)
 
     async def poll_tasks(self, max_items: int) -> list[RolloutTask]:
-        return await self._polled("poll tasks", self.get_tasks_nowait, max_items)
-
-    def get_tasks_nowait(self, max_items: int) -> list[RolloutTask]:
-        return self.transport.get_many_nowait("tasks", max_items) if max_items > 0 else []
+        return await self._polled("poll tasks", self.transport.get_many_nowait, "tasks", max_items)
 
     async def put_samples(self, samples: list[Sample]):
         if samples:
             await self._bounded(self.transport.put_many("samples", samples), "put samples")
-
-    def get_acks_nowait(self) -> list[Ack]:
-        return self.transport.get_many_nowait("acks", self.MAX_BATCH)
 
     async def put_ack(self, ack: Ack):
         await self._bounded(self.transport.put_many("acks", [ack]), f"put a {ack.phase} ack")
@@ -578,9 +530,9 @@ class GroupAssembler:
     - defer() gives up on a group that is not complete (tail batching: its prompt runs again in a long
       round).
     Every sample given to add() ends in exactly one place: returned by take(), pending, ready, or one of
-    the counters (groups_filtered x group_size, samples_surplus, samples_<Lost>); a sample that arrives for a lost group
-    is counted under that group's reason, a failed one or a notice under its own. Every group ends once:
-    taken, filtered, or groups_<Lost>.
+    the counters (groups_filtered x group_size, samples_surplus, samples_<Lost>); a sample that arrives for a
+    lost group is counted under that group's reason, a failed one or a notice under its own. Every group ends
+    once: taken, filtered, or groups_<Lost>.
     The ids of resolved groups (closed or lost) are forgotten FORGET_AFTER versions past the freshness
     window, so a long run's memory stays flat; a straggler of a forgotten group then waits as a
     pending group of its own until it is stale, and is counted as dropped stale.
@@ -592,10 +544,8 @@ class GroupAssembler:
                  order: str = "oldest"):
         if order not in ORDERS:
             raise ValueError(f"--sample-order must be one of {', '.join(ORDERS)}, got {order!r}")
-        self.group_size = group_size
+        self.group_size, self.filter_groups, self.order = group_size, filter_groups, order
         self.freshness = Freshness.of(freshness)    # (an int: the async ratio's rule)
-        self.filter_groups = filter_groups
-        self.order = order
         self.pending: dict[str, list[Sample]] = {}
         self.ready: list[list[Sample]] = []
         self.lost: dict[str, Lost] = {}   # groups that can no longer complete, and why
@@ -690,18 +640,12 @@ class GroupAssembler:
         """Drop pending and ready groups holding a sample that is stale at `version`; returns
         the dropped group ids (the env managers abort their still-running samples)."""
         dropped = []
-        for gid, group in list(self.pending.items()):
+        for group in [*self.pending.values(), *self.ready]:
             if not all(self._fresh(s, version) for s in group):
-                self._lose(gid, Lost.STALE, version)
-                dropped.append(gid)
-        keep = []
-        for group in self.ready:
-            if all(self._fresh(s, version) for s in group):
-                keep.append(group)
-            else:
-                self._lose(group[0].group_id, Lost.STALE, version, samples=group)
-                dropped.append(group[0].group_id)
-        self.ready = keep
+                dropped.append(gid := group[0].group_id)
+                self.pending.pop(gid, None)
+                self._lose(gid, Lost.STALE, version, samples=group)
+        self.ready = [g for g in self.ready if g[0].group_id not in self.lost]
         horizon = version - self.freshness.max_lag - self.FORGET_AFTER
         while self.resolved and self.resolved[0][0] < horizon:      # forget long-resolved groups
             v, gid = self.resolved.popleft()

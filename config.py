@@ -86,9 +86,84 @@ def extensions():
 
 
 class Extension:
-    """An optional capability. The core calls each hook below at the point its docstring names (train.py
-    asks the run's Extensions for them); each is a no-op here (None: "nothing from me"), and an extension
-    overrides the ones it needs. One instance per process, made only when its flags ask for it (wanted)."""
+    """An optional capability: one instance per process, made only when its flags ask for it (wanted). The
+    core asks the run's Extensions for each hook below at the point listed (train.py; Extensions.call,
+    first, chain, acall: in (order, registration) order); an extension defines the hooks it needs, and one
+    it does not define answers None ("nothing from me"). The few with a default, defined below, are called
+    on every extension (configure, before_train, extra_ranks, run_extra_rank) or pass a value on (resolve,
+    problem_source).
+
+    launch (train.py main, every rank):
+        def before_launch(self)
+            Before any process group starts; may exit (--dry-run).
+        def embedded_model(self)
+            With no --model: a builder of the embedded model to use, (log) -> its dir (an env's own).
+        def start_from(self, base_dir, ckpt, state)
+            The model dir the run's weights start from, if not the checkpoint's (resume) or the base's.
+        def startup_lines(self, model_dir, device) -> str
+            Text rank 0 prints at start-up (the memory plan).
+        def without_torchrun(self)
+            python train.py without torchrun: run(cfg, exts, extra_ranks, the train module), the whole run
+            in one process (ext/one_process.py).
+    trainer ranks:
+        def trainer_weights(self)
+            What the trainer trains, syncs and saves, if not the whole model (trainer.Weights).
+        def after_train(self, trainer)
+            Every trainer rank, after each batch trained.
+    trainer rank 0: the problems, the controller, the loop:
+        def problem_maker(self, seed)
+            make(rng) -> Problem for generated problems, if not the default task's (--task).
+        def held_out(self, problems, seed)
+            (training problems, held-out problems), if some are held out (--eval-every).
+        def admission(self, ctrl_cfg)
+            Which prompts run and when (controller.Admission), if not the async ratio's own.
+        def freshness(self, ctrl_cfg)
+            The freshness rule (buffer.Freshness), if not --async-ratio's fixed bound: an adaptive one.
+        def train_backend(self, ranks, probe_due)
+            How a step's groups are trained (controller.TrainBackend), if not as one whole batch.
+        def on_controller(self, ctrl, state)
+            The controller is built (state: the checkpoint's on a resume): taps, events, trackers.
+        def sync_recovery(self)
+            What the controller does when a broadcast fails or an engine is replaced (ext/recovery.py).
+        async def after_step(self, ctrl, step, final) -> dict
+            After each step's sync: metrics to add to its row (evaluation).
+        def on_ready(self, t)
+            The engines are up (time.time()).
+        def on_row(self, row)
+            A step's row of metrics.jsonl (trackers, the timeline's flush).
+        def step_line(self, row) -> str
+            What the step's progress line adds.
+        def summary_lines(self, runlog) -> list[str]
+            Lines of the end-of-run summary.
+        def run_files(self) -> list[str]
+            Files the run wrote, for the summary.
+        def on_finish(self)
+            The run ended (before the summary).
+        def close(self)
+            At the end of the run, whatever happened; idempotent.
+    rollout ranks:
+        def engine_args(self, model_dir, device, who) -> dict
+            Keywords for the engine's start (vllm_engine.VLLMEngine.start, AsyncEngineArgs').
+        def rollout_engine(self, model_dir, who, engine)
+            An awaitable of the rollout rank's engine (proxy.Engine), if not vLLM's (ext/torch_engine.py's
+            --engine torch); engine: vllm_engine.VLLMEngine.start's keywords.
+        def on_engine(self, engine)
+            Every new engine (vllm_engine.VLLMEngine), once started.
+        def on_proxy(self, proxy, index, t_start)
+            The rank's proxy is up (its engine started at t_start, time.time()).
+        def engine_recovery(self, restart_engine)
+            What replaces this rank's engine when it dies (ext/recovery.py); restart_engine() -> a new one.
+        def env_wrapper(self, index)
+            (env) -> env, for every env rollout rank `index` makes (injected faults).
+        def scorer(self, index, buffer)
+            What scores rollout rank `index`'s answers, if not inline: async score(problem, response),
+            stats(), shutdown() (a verifier pool, an LLM judge).
+        def sample_finisher(self, index, buffer)
+            async (Sample) -> None, run on every finished sample of rollout rank `index` before it is sent,
+            in the trajectory's own task (a teacher's per-token log-probs into its token_fields, a judge's
+            record); an EnvFailure fails the attempt. Every extension's, in order.
+        def env_deadline(self)
+            The env calls' deadline (rollout.FixedDeadline's interface), if not --env-step-timeout-s."""
     name = ""
     Config = None                       # its flags: a dataclass, cfg.ext[name]
     order = 0                           # hooks are called in (order, registration) order
@@ -106,22 +181,10 @@ class Extension:
         """At parse time: raise ValueError naming the flags that do not fit the rest of cfg; may settle a
         core setting left "auto" (--weight-transport)."""
 
-    # --- launch (train.py main, every rank)
-    def before_launch(self):
-        """Before any process group starts; may exit (--dry-run)."""
-
-    def embedded_model(self):
-        """With no --model: a builder of the embedded model to use, (log) -> its dir (an env's own)."""
-
-    def start_from(self, base_dir: str, ckpt: str, state):
-        """The model dir the run's weights start from, if not the checkpoint's (resume) or the base's."""
-
     def resolve(self, cfg):
-        """cfg with settings of its own resolved (defaults that depend on the model, the task, the env)."""
+        """At launch: cfg with settings of its own resolved (defaults that depend on the model, the task, the
+        env)."""
         return cfg
-
-    def startup_lines(self, model_dir: str, device: str) -> str | None:
-        """Text rank 0 prints at start-up (the memory plan)."""
 
     def extra_ranks(self) -> int | None:
         """How many ranks this extension adds after the rollout ranks, each running an engine of its own (a
@@ -129,103 +192,15 @@ class Extension:
 
     def run_extra_rank(self, index: int, device: str, engine_core: str, buffer_addr: tuple, state):
         """Run this extension's rank `index` (0.. of its extra_ranks) until the run ends; buffer_addr: the
-        queue server's (host, port, authkey), where it meets the rollout ranks."""
-
-    def without_torchrun(self):
-        """python train.py without torchrun: run(cfg, exts, extra_ranks, the train module), the whole run in
-        one process (ext/one_process.py)."""
-
-    # --- trainer ranks
-    def trainer_weights(self):
-        """What the trainer trains, syncs and saves, if not the whole model (trainer.Weights)."""
-
-    def after_train(self, trainer):
-        """Every trainer rank, after each batch trained."""
-
-    # --- trainer rank 0: the problems, the controller, the loop
-    def problem_maker(self, seed: int):
-        """make(rng) -> Problem for generated problems, if not the default task's (--task)."""
+        queue server's (host, port, authkey), where it meets the rollout ranks. engine_core is "" (on CPU the
+        rank runs on the host cores the other ranks share, and places its engine itself: ext/served.py)."""
 
     def problem_source(self, source: tuple, seed: int) -> tuple:
-        """(problems or None, make) as training draws them (a workload's lengths)."""
+        """Trainer rank 0: (problems or None, make) as training draws them (a workload's lengths)."""
         return source
 
-    def held_out(self, problems, seed: int):
-        """(training problems, held-out problems), if some are held out (--eval-every)."""
-
-    def admission(self, ctrl_cfg):
-        """Which prompts run and when (controller.Admission), if not the async ratio's own."""
-
-    def freshness(self, ctrl_cfg):
-        """The freshness rule (buffer.Freshness), if not --async-ratio's fixed bound: an adaptive one."""
-
-    def train_backend(self, ranks, probe_due):
-        """How a step's groups are trained (controller.TrainBackend), if not as one whole batch."""
-
-    def on_controller(self, ctrl, state: dict | None):
-        """The controller is built (state: the checkpoint's on a resume): taps, events, trackers."""
-
-    def sync_recovery(self):
-        """What the controller does when a broadcast fails or an engine is replaced (ext/recovery.py)."""
-
     async def before_train(self, ctrl):
-        """Before each whole batch trains (--colocate: the engines sleep)."""
-
-    async def after_step(self, ctrl, step: int, final: bool) -> dict | None:
-        """After each step's sync: metrics to add to its row (evaluation)."""
-
-    def on_ready(self, t: float):
-        """The engines are up (time.time())."""
-
-    def on_row(self, row: dict):
-        """A step's row of metrics.jsonl (trackers, the timeline's flush)."""
-
-    def step_line(self, row: dict) -> str | None:
-        """What the step's progress line adds."""
-
-    def summary_lines(self, runlog) -> list[str] | None:
-        """Lines of the end-of-run summary."""
-
-    def run_files(self) -> list[str] | None:
-        """Files the run wrote, for the summary."""
-
-    def on_finish(self):
-        """The run ended (before the summary)."""
-
-    def close(self):
-        """At the end of the run, whatever happened; idempotent."""
-
-    # --- rollout ranks
-    def engine_args(self, model_dir: str, device: str, who: str) -> dict | None:
-        """Keywords for the engine's start (vllm_engine.VLLMEngine.start, AsyncEngineArgs')."""
-
-    def rollout_engine(self, model_dir: str, who: str, engine: dict):
-        """An awaitable of the rollout rank's engine (proxy.Engine), if not vLLM's (ext/torch_engine.py's
-        --engine torch); engine: vllm_engine.VLLMEngine.start's keywords."""
-
-    def on_engine(self, engine):
-        """Every new engine (vllm_engine.VLLMEngine), once started."""
-
-    def on_proxy(self, proxy, index: int, t_start: float):
-        """The rank's proxy is up (its engine started at t_start, time.time())."""
-
-    def engine_recovery(self, restart_engine):
-        """What replaces this rank's engine when it dies (ext/recovery.py); restart_engine() -> a new one."""
-
-    def env_wrapper(self, index: int):
-        """(env) -> env, for every env rollout rank `index` makes (injected faults)."""
-
-    def scorer(self, index: int, buffer):
-        """What scores rollout rank `index`'s answers, if not inline: async score(problem, response), stats(),
-        shutdown() (a verifier pool, an LLM judge)."""
-
-    def sample_finisher(self, index: int, buffer):
-        """async (Sample) -> None, run on every finished sample of rollout rank `index` before it is sent, in
-        the trajectory's own task (a teacher's per-token log-probs into its token_fields, a judge's record);
-        an EnvFailure fails the attempt. Every extension's, in order."""
-
-    def env_deadline(self):
-        """The env calls' deadline (rollout.FixedDeadline's interface), if not --env-step-timeout-s."""
+        """Trainer rank 0: before each whole batch trains (--colocate: the engines sleep)."""
 
 
 class Extensions(list):
@@ -244,7 +219,7 @@ class Extensions(list):
 
     def call(self, hook: str, *args) -> list:
         """Every extension's answer to hook(*args), None left out."""
-        return [r for r in (getattr(e, hook)(*args) for e in self) if r is not None]
+        return [r for e in self if hasattr(e, hook) and (r := getattr(e, hook)(*args)) is not None]
 
     def chain(self, hook: str, *args):
         """The async functions every extension's hook(*args) gives, as one that awaits each in turn (None:
@@ -258,13 +233,13 @@ class Extensions(list):
 
     def first(self, hook: str, *args):
         """The one extension that answers hook(*args), or None; two answering is an error."""
-        got = [(e.name, r) for e in self if (r := getattr(e, hook)(*args)) is not None]
+        got = [(e.name, r) for e in self if hasattr(e, hook) and (r := getattr(e, hook)(*args)) is not None]
         if len(got) > 1:
             raise ValueError(f"{' and '.join(n for n, _ in got)} both provide {hook}: pick one")
         return got[0][1] if got else None
 
     async def acall(self, hook: str, *args) -> list:
-        return [r for e in self if (r := await getattr(e, hook)(*args)) is not None]
+        return [r for e in self if hasattr(e, hook) and (r := await getattr(e, hook)(*args)) is not None]
 
     def fold(self, hook: str, value, *args):
         """value passed through every extension's hook(value, *args) in turn."""

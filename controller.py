@@ -24,7 +24,7 @@ import itertools
 import re
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -67,16 +67,15 @@ class ControllerConfig:
                                         "two batches' worth, at least 64); 1 = only when every one failed")
     def __post_init__(self):
         check(self, at_least=dict(batch_groups=1, group_size=1, async_ratio=0, redundant=0, env_redundancy=0,
-                                  max_gen_batches=0), above=dict(timeout_s=0, startup_timeout_s=0,
-                                                                 max_failed_share=0),
+                                  max_gen_batches=0),
+              above=dict(timeout_s=0, startup_timeout_s=0, max_failed_share=0),
               at_most=dict(max_failed_share=1),
               one_of=dict(sample_order=ORDERS, rollout_mode=("queue", "batch"),
                           on_max_gen_batches=("error", "train")))
         if self.filter_groups and self.group_size < 2:
             raise ValueError(f"--group-size {self.group_size} with dynamic filtering: a group of one sample "
                              f"always has all-equal rewards, so every group would be filtered and no batch "
-                             f"could form; "
-                             f"use --group-size >= 2")
+                             f"could form; use --group-size >= 2")
         from rollout import ENVS
         if self.env not in ENVS:
             raise ValueError(f"--env {self.env!r}: no such environment; known: "
@@ -84,6 +83,9 @@ class ControllerConfig:
 
 
 STALE_WARN_SHARE = 0.25      # a step that drops more of its samples as stale warns (once a run)
+# the assembler's counters whose change over a step its info reports (AsyncController.this_step)
+STEP_COUNTERS = ("samples_dropped_stale", "groups_filtered", "groups_completed", "samples_failed",
+                 "samples_surplus")
 
 
 class FailureBreaker:
@@ -136,7 +138,8 @@ class Admission:
         return None
 
     def admitted(self, gid: str, version: int) -> int:
-        """Group gid was admitted at `version`; returns how many samples it runs (the first G make it)."""
+        """Group gid was admitted at `version` (its problem: ctrl.problem_of[gid]); returns how many samples
+        it runs (the first G make it)."""
         return self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
 
     def taken(self, gid: str):
@@ -166,19 +169,14 @@ class AsyncController:
     def __init__(self, cfg: ControllerConfig, buffer: SampleBuffer, problems, num_rollout_ranks: int,
                  version: int = 0, prompt_len=None, max_model_len: int = 0, log=None,
                  admission: Admission | None = None, recovery=None, freshness: Freshness | None = None):
-        self.cfg = cfg
-        self.buffer = buffer
+        self.cfg, self.buffer, self.num_ranks, self.version = cfg, buffer, num_rollout_ranks, version
         self.problems = problems              # iterator of task.Problem (position saved in checkpoints)
-        self.num_ranks = num_rollout_ranks
-        self.version = version
         self.version0 = version               # admission counts versions from here (resume, reuse)
         # the freshness rule (the async ratio's, or an Extension's): the assembler holds it (`freshness`)
         self.assembler = GroupAssembler(cfg.group_size, freshness or Freshness(cfg.async_ratio),
                                         cfg.filter_groups, cfg.sample_order)
         self.admission = admission or Admission(cfg)
-        self.extra: set[str] = set()           # unresolved groups running more samples than group_size
-        self.groups_admitted = 0
-        self.groups_taken = 0
+        self.groups_admitted = self.groups_taken = 0
         self.groups_drawn = 0                  # problems taken from the stream since data_position0
         self.data_position0 = 0                # the stream's position at the start (a resume's: restore())
         self.next_group = 0                    # the next group id's number: g0, g1, ... (continued on resume:
@@ -191,7 +189,6 @@ class AsyncController:
         self.log = log                         # (str) -> None: heartbeats and refusals; None: silent
         self.prompts_rejected = 0
         self.taps: list = []                   # async (sample) -> True if it took the sample (ext/eval.py)
-        self.step_rewards: list[float] = []
         self.failed_received = 0               # failed samples received (every env failure a rank reported)
         self.samples_unconsumed = 0            # samples still queued at stop (counted, never trained)
         self.trained_groups: dict[str, int] = {}   # group -> version trained at (recent ones: duplicates)
@@ -201,8 +198,8 @@ class AsyncController:
         self.last_engine: dict[int, dict] = {} # rank -> engine stats at its previous SYNCED ack
         # the weight sync's transport (set by each sync_weights): send_fn(spec) broadcasts the trainer's
         # current weights as `spec` says (weight_sync.GroupSpec; None: engines without one, the fake)
-        self.send_fn, self.layout, self.spec = None, None, None
-        self.probe_ref = None                  # trainer's probe logprobs of the last sync (None: not probed)
+        # probe_ref: the trainer's probe logprobs of the last sync (None: not probed)
+        self.send_fn = self.layout = self.spec = self.probe_ref = None
         self.gen = 0                           # the weight-sync group's generation: +1 per replaced engine
         self.sends = 0                         # broadcasts started (every attempt)
         # what syncs a replaced engine and retries a broadcast an engine died under (ext/recovery.py); None:
@@ -213,12 +210,11 @@ class AsyncController:
         # controller adds each step's spans (wall clock, time.time()) and the events the ranks' acks carry
         self.events = None
         self._collect_span: list[float] = []  # wall clock [start, end] of the last collect()
-        self.taken_before_step = 0             # groups_taken when this step's collect began
-        self.before: dict = {}                 # the assembler's counters then (its report subtracts them)
         self.batch: list = []                  # the last step's samples (collect's batch)
-        self._warned_filtering = False         # dynamic filtering's spin warning is given once a run
-        self._warned_stale = False             # so is the warning of a step that dropped many stale samples
+        # dynamic filtering's spin warning is given once a run; so is that of a step that dropped many stale
+        self._warned_filtering = self._warned_stale = False
         self.breaker = FailureBreaker(max(2 * cfg.batch_groups * cfg.group_size, 64), cfg.max_failed_share)
+        self._begin_step()                     # (a step's state, as at a step's start)
 
     @property
     def freshness(self) -> Freshness:
@@ -273,19 +269,14 @@ class AsyncController:
         n = max(0, self.admission.capacity(self), at_least)
         tasks = []
         for _ in range(n):
-            problem = self._next_problem()
             gid, self.next_group = f"g{self.next_group}", self.next_group + 1
-            tasks_per_group = self.admission.admitted(gid, self.version)
-            if tasks_per_group > self.cfg.group_size:
-                self.extra.add(gid)
-                self.assembler.expect(gid, tasks_per_group)
-            if self.cfg.replicate:
-                tasks += [RolloutTask(f"{gid}.{j}", gid, problem, 1, self.version, self.cfg.env)
-                          for j in range(tasks_per_group)]
-            else:
-                tasks.append(RolloutTask(f"{gid}.0", gid, problem, tasks_per_group, self.version,
-                                         self.cfg.env))
-            self.problem_of[gid] = problem
+            problem = self.problem_of[gid] = self._next_problem()
+            samples = self.admission.admitted(gid, self.version)
+            if samples > self.cfg.group_size:
+                self.assembler.expect(gid, samples)            # redundancy: the first G make the group
+            per_task = 1 if self.cfg.replicate else samples      # prompt replication: a task a sample
+            tasks += [RolloutTask(f"{gid}.{j}", gid, problem, per_task, self.version, self.cfg.env)
+                      for j in range(samples // per_task)]
         if tasks:
             await self.buffer.put_tasks(tasks)     # one round trip for the whole round
         self.groups_admitted += n
@@ -322,17 +313,19 @@ class AsyncController:
         return await self._end_step(committed)
 
     def _begin_step(self):
-        """A step's collect begins: its clocks, and the counters its report subtracts (`before`)."""
-        assembler = self.assembler
+        """A step's collect begins: its clocks, the assembler's STEP_COUNTERS then (`before`: this_step
+        subtracts them), its samples' rewards, and groups_taken then."""
         self._t0, self._wall0 = now(), time.time()
-        self.before = dict(stale=assembler.samples_dropped_stale, filtered=assembler.groups_filtered,
-                           failed=assembler.samples_failed, surplus=assembler.samples_surplus,
-                           completed=assembler.groups_completed)
-        self.step_rewards = []
+        self.before = {k: getattr(self.assembler, k) for k in STEP_COUNTERS}
+        self.step_rewards: list[float] = []
         self.taken_before_step = self.groups_taken
         # a stall: no new ready group for timeout_s
-        self._ready, self._t_progress = assembler.num_ready(), now()
+        self._ready, self._t_progress = self.assembler.num_ready(), now()
         self._t_beat = now()
+
+    def this_step(self) -> dict:
+        """The change of the assembler's STEP_COUNTERS since this step's collect began."""
+        return {k: getattr(self.assembler, k) - v for k, v in self.before.items()}
 
     async def _next_sample(self, n_ready: int):
         """The next sample, or None after waiting up to a second for one. Meanwhile, the watch over the
@@ -344,10 +337,10 @@ class AsyncController:
             self._ready, self._t_progress = n_ready, now()
         if self.log and now() - self._t_beat >= cfg.heartbeat_s:
             self._t_beat = now()
-            self.log(runlog.collect_line(self, self.before, now() - self._t0))
+            self.log(runlog.collect_line(self, now() - self._t0))
         waited = now() - self._t_progress
         if waited > cfg.timeout_s:
-            raise TimeoutError(runlog.stall_report(self, self.before))
+            raise TimeoutError(runlog.stall_report(self))
         if self.recovery is not None and now() - self._t_recovery >= 1.0:
             self._t_recovery = now()
             await self.recovery.serve(self)                # a replaced engine waits for weights
@@ -357,8 +350,9 @@ class AsyncController:
             return None
         self.received(s)
         self.breaker.add(s, self.buffer.who)          # (raises when nearly every sample fails)
-        if self.taps and await self._tapped(s):
-            return None
+        for tap in self.taps:                              # (ext/eval.py's evaluation samples)
+            if await tap(s):
+                return None
         return s
 
     def received(self, s):
@@ -371,25 +365,25 @@ class AsyncController:
         other samples aborted, and is admitted again when that was not the prompt's fault (its engine
         died, --colocate's sleep); a group it completes under redundancy has the rest aborted (surplus)."""
         assembler, gid = self.assembler, s.group_id
-        closed_before, alive_before = len(assembler.closed), gid not in assembler.dead
+        # (a group running redundant samples is in `expected` until it completes or is lost)
+        alive_before, redundant = gid not in assembler.dead, gid in assembler.expected
         assembler.add(s, self.version)
         if not s.failed:
             self.step_rewards.append(s.reward)
         if alive_before and gid in assembler.dead:
-            await self._abort_groups([gid])                # lost: stop its other samples
+            await self.abort_groups([gid])                # lost: stop its other samples
             if gid in self.problem_of and (s.meta.get("engine_lost")
                                            or assembler.lost[gid] is Lost.INTERRUPTED):
                 self.readmit.append(self.problem_of[gid])
-        elif gid in self.extra and len(assembler.closed) > closed_before:
-            await self._abort_groups([gid])                # redundant samples: the rest is surplus
+        elif redundant and gid in assembler.closed:
+            await self.abort_groups([gid])                 # it completed: the rest is surplus
         if gid in assembler.dead or (gid in assembler.closed and not assembler.is_ready(gid)):
             self._forget(gid)                              # lost or filtered: no longer a prompt in flight
 
     async def _end_step(self, groups: list[list]) -> tuple[list, dict]:
         """The batch is complete: its samples and the step's info (rewards, staleness, what was dropped)."""
-        assembler, before = self.assembler, self.before
         if not groups:     # (a step ended early by --max-gen-batches, with every ready group gone stale)
-            raise RuntimeError(runlog.spin_report(self, before, "and no group is left to train on"))
+            raise RuntimeError(runlog.spin_report(self, "and no group is left to train on"))
         batch = [s for g in groups for s in g]
         seen = {(s.task_id, s.meta.get("sample_index", 0)) for s in batch}
         duplicate = len(batch) - len(seen) + sum(len(g) for g in groups
@@ -405,11 +399,7 @@ class AsyncController:
             "reward_mean": sum(self.step_rewards) / max(len(self.step_rewards), 1),
             "reward_trained_mean": sum(s.reward for s in batch) / len(batch),
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
-            "samples_dropped_stale": assembler.samples_dropped_stale - before["stale"],
-            "groups_filtered": assembler.groups_filtered - before["filtered"],
-            "groups_completed": assembler.groups_completed - before["completed"],   # kept or filtered
-            "samples_failed": assembler.samples_failed - before["failed"],
-            "samples_surplus": assembler.samples_surplus - before["surplus"],
+            **self.this_step(),                              # (groups_completed: kept or filtered)
             "samples_duplicate": duplicate, "prompts_rejected": self.prompts_rejected,
             "num_samples": len(batch), "num_tokens": sum(s.num_tokens for s in batch),
             "response_len_mean": sum(len(s.response_ids) for s in batch) / len(batch),
@@ -439,28 +429,21 @@ class AsyncController:
         were filtered; once the groups completed in this step (filtered or kept; ready groups carried over
         from earlier steps are not this step's work) reach --max-gen-batches batches, fail with a clear
         error (--on-max-gen-batches error) or end the step with what is ready (train: True)."""
-        cfg, before = self.cfg, self.before
-        filtered, completed = (self.assembler.groups_filtered - before["filtered"],
-                               self.assembler.groups_completed - before["completed"])
+        cfg, step = self.cfg, self.this_step()
+        filtered, completed = step["groups_filtered"], step["groups_completed"]
         if (self.log and not self._warned_filtering and filtered >= 2 * cfg.batch_groups
                 and filtered >= 4 * n_ready):
             self._warned_filtering = True
-            self.log(f"dynamic filtering: {runlog.spin_report(self, before)}. --max-gen-batches N bounds the "
+            self.log(f"dynamic filtering: {runlog.spin_report(self)}. --max-gen-batches N bounds the "
                      f"resampling per step; --filter-groups false trains on such groups")
         if not cfg.max_gen_batches or completed < cfg.max_gen_batches * cfg.batch_groups:
             return False
         if cfg.on_max_gen_batches == "error" or n_ready == 0:
             raise RuntimeError(f"{self.buffer.who}: --max-gen-batches {cfg.max_gen_batches} reached: "
-                               + runlog.spin_report(self, before, f"and only {n_ready} of {cfg.batch_groups} "
+                               + runlog.spin_report(self, f"and only {n_ready} of {cfg.batch_groups} "
                                                            f"groups are ready (--on-max-gen-batches train "
                                                            f"trains what is ready)"))
         return True
-
-    async def _tapped(self, s) -> bool:
-        for tap in self.taps:
-            if await tap(s):
-                return True
-        return False
 
     def _commit(self, committed: list, on_group):
         """Hand the ready groups to the trainer (on_group), up to the batch."""
@@ -475,20 +458,7 @@ class AsyncController:
     def _forget(self, gid: str):
         """A group was trained or lost: no longer a prompt in flight."""
         self.problem_of.pop(gid, None)
-        self.extra.discard(gid)
         self.admission.resolved(gid)
-
-    async def give_up(self, gids: list[str]) -> list[Problem | None]:
-        """An admission policy gives up on these unresolved groups (deferred): their work is aborted;
-        returns their prompts."""
-        problems = []
-        for gid in gids:
-            self.assembler.defer(gid, self.version)
-            problems.append(self.problem_of.pop(gid, None))
-            self.extra.discard(gid)
-        if gids:
-            await self._abort_groups(gids)
-        return problems
 
     def in_flight_problems(self, skip=()) -> list[Problem]:
         """Prompts admitted and not yet trained or lost, oldest first (groups in `skip` left out): a
@@ -501,7 +471,8 @@ class AsyncController:
         return not self.assembler.pending and self.buffer.num_queued_tasks() == 0 and \
             self.groups_admitted - untrained - self.groups_taken == self.assembler.num_ready()
 
-    async def _abort_groups(self, group_ids: list[str]):
+    async def abort_groups(self, group_ids: list[str]):
+        """Every rank aborts these groups' work (their samples no longer wanted: lost, surplus, deferred)."""
         for r in range(self.num_ranks):
             await self.buffer.send_command(r, Command(Cmd.ABORT_GROUPS, group_ids=group_ids))
 
@@ -533,7 +504,7 @@ class AsyncController:
         for gid in dropped:
             self._forget(gid)
         if dropped:
-            await self._abort_groups(dropped)
+            await self.abort_groups(dropped)
         return {"time_weight_sync": now() - t0, "time_wait_previous_sync": t1 - t0, "time_broadcast": t2 - t1,
                 **report}
 
@@ -548,11 +519,9 @@ class AsyncController:
             for r in range(self.num_ranks):    # (the rule travels too: the ranks abort what fails it)
                 await self.buffer.send_command(r, Command(Cmd.SYNC, version, self.layout, probe=probe,
                                                           spec=spec, freshness=self.freshness))
-            try:
-                if asyncio.iscoroutinefunction(self.send_fn):
-                    await self.send_fn(spec)              # the simulator's model of the transfer
-                else:
-                    await asyncio.to_thread(self.send_fn, spec)
+            try:      # (a coroutine function: the simulator's model of the transfer; else a blocking call)
+                await (self.send_fn(spec) if asyncio.iscoroutinefunction(self.send_fn)
+                       else asyncio.to_thread(self.send_fn, spec))
                 return
             except Exception as e:
                 if self.recovery is None or not await self.recovery.send_failed(self, e, version, attempt):
@@ -631,14 +600,13 @@ class AsyncController:
     def counters(self) -> dict:
         """The controller's side of the run's bookkeeping (rollout_stats.json)."""
         assembler = self.assembler
-        out = {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
-               "failed_samples_received": self.failed_received, "groups_failed": assembler.groups_failed,
-               "groups_filtered": assembler.groups_filtered,
-               "groups_dropped_stale": assembler.groups_dropped_stale,
-               "groups_interrupted": assembler.groups_interrupted,
-               "samples_surplus": assembler.samples_surplus, "samples_unconsumed": self.samples_unconsumed,
-               **self.admission.counters(self)}
-        return out
+        return {"groups_admitted": self.groups_admitted, "groups_taken": self.groups_taken,
+                "failed_samples_received": self.failed_received, "groups_failed": assembler.groups_failed,
+                "groups_filtered": assembler.groups_filtered,
+                "groups_dropped_stale": assembler.groups_dropped_stale,
+                "groups_interrupted": assembler.groups_interrupted,
+                "samples_surplus": assembler.samples_surplus, "samples_unconsumed": self.samples_unconsumed,
+                **self.admission.counters(self)}
 
     async def stop(self) -> list[dict]:
         """Tell every rollout rank to stop, and wait until each has; returns their counters."""
@@ -652,19 +620,18 @@ class AsyncController:
         return stats
 
 
-class TrainBackend(Protocol):
+class TrainBackend:
     """When a step's groups train (rl_step calls these; streaming changes when, not what): WholeBatch below,
-    once the batch is complete; ext/stream_trainer.TrainStream, each group as it completes."""
-    streams: bool           # True: add() gets each group as soon as it is complete, not all at the end
+    once the batch is complete; ext/stream_trainer.TrainStream, each group as it completes. Its interface:
 
-    def begin(self, version: int):
-        """A step begins; its batch trains the weights of this version."""
-
-    def add(self, group: list):
-        """A group of the batch (G samples)."""
-
-    async def finish(self) -> tuple[dict, list | None]:
-        """The batch is complete: train what is left; (metrics, the probe's logprobs or None)."""
+        streams: bool
+            True: add() gets each group as soon as it is complete, not all at the end.
+        def begin(self, version)
+            A step begins; its batch trains the weights of this version.
+        def add(self, group)
+            A group of the batch (G samples).
+        async def finish(self) -> (metrics, the probe's logprobs or None)
+            The batch is complete: train what is left."""
 
 
 class WholeBatch:

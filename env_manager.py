@@ -18,6 +18,7 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 
 import asyncio
 import collections
+import contextlib
 import functools
 import math
 
@@ -37,14 +38,14 @@ BACKOFF_S = (0.05, 5.0)     # a failed attempt's wait before its slot runs again
 
 class Slots:
     """A rank's rollout slots (--max-concurrency): a task holds one per sample while it runs. A sample's
-    finisher (a teacher's log-probs can take seconds) hands its slot back while it waits, so that generation
-    goes on; an attempt that then fails there waits for a free slot before it is tried again, ahead of new
-    tasks (`waiting` keeps their places), so `used` never exceeds `n`."""
+    finisher (a teacher's log-probs can take seconds) hands its slot back while it waits (lend), so that
+    generation goes on; an attempt that then fails there waits for a free slot before it is tried again,
+    ahead of new tasks (`waiting` keeps their places), so `used` never exceeds `n`. `freed` (the manager's
+    wake) is set whenever a slot frees."""
 
-    def __init__(self, n: int):
-        self.n, self.used, self.waiting = n, 0, 0
+    def __init__(self, n: int, freed: asyncio.Event):
+        self.n, self.used, self.waiting, self.freed = n, 0, 0, freed
         self.held: dict[str, int] = {}           # task_id -> the slots it holds now
-        self.freed = asyncio.Event()
 
     def free(self) -> int:
         return self.n - self.used - self.waiting
@@ -55,24 +56,29 @@ class Slots:
 
     def give(self, task_id: str, k: int | None = None):
         """k of the task's slots back (None: all it holds: the task ended)."""
-        k = self.held.get(task_id, 0) if k is None else k
-        if (left := self.held.get(task_id, 0) - k) > 0:
-            self.held[task_id] = left
-        else:
-            self.held.pop(task_id, None)
+        held = self.held.pop(task_id, 0)
+        k = held if k is None else k
+        if held > k:
+            self.held[task_id] = held - k
         self.used -= k
         self.freed.set()
 
-    async def take_back(self, task_id: str):
-        """A slot for the task again, once one is free."""
-        self.waiting += 1
+    async def lend(self, task_id: str, finish, sample):
+        """await finish(sample) with the sample's slot handed back meanwhile; if it fails, the slot is taken
+        again (once one is free) before the failure goes on to the attempt's retry."""
+        self.give(task_id, 1)
         try:
-            while self.used >= self.n:
-                self.freed.clear()
-                await self.freed.wait()
-        finally:
-            self.waiting -= 1
-        self.take(task_id, 1)
+            await finish(sample)
+        except Exception:
+            self.waiting += 1
+            try:
+                while self.used >= self.n:
+                    self.freed.clear()
+                    await self.freed.wait()
+            finally:
+                self.waiting -= 1
+            self.take(task_id, 1)
+            raise
 
 
 class EnvManager:
@@ -86,11 +92,8 @@ class EnvManager:
         calls' (ext/deadlines.py's adaptive one), None: a fixed --env-step-timeout-s; finisher: async (Sample)
         -> None on every finished sample before it is sent (an extension's: a teacher's log-probs), None:
         none."""
-        self.proxy = proxy
-        self.buffer = buffer
+        self.proxy, self.buffer, self.rank, self.cfg = proxy, buffer, rank, cfg
         self.fmt = PromptFormat(tokenizer, cfg.chat_template)   # env text <-> tokens
-        self.rank = rank
-        self.cfg = cfg
         if not (cfg.max_tokens and cfg.max_model_len):
             raise ValueError("EnvManager: max_tokens and max_model_len of 0 mean 'from the model': "
                              "RolloutConfig.resolved() first")
@@ -99,17 +102,15 @@ class EnvManager:
         self.freshness = None if freshness is None else Freshness.of(freshness)
         self.sync_timeout_s = sync_timeout_s    # a weight sync (suspend to SYNCED ack) longer is an error
         # rollout ranks pulling from the same task queue: one per command queue (1 = pull greedily)
-        self.num_ranks = len(buffer.transport.commands)
+        self.num_ranks = buffer.transport.num_ranks
         # group_id -> loop time this rank last started one of its tasks
         self.group_taken_at: dict[str, float] = {}
         self.probe_ids = probe_ids              # token ids scored after a load if a SYNC asks (Command.probe)
+        self.recovery, self.scorer, self.finisher = recovery, scorer, finisher
         self.env_wrappers = env_wrappers
-        self.recovery = recovery
         self.synced = False                     # a sync loaded weights that the model dir does not have
         self.sync_task: asyncio.Task | None = None   # the SYNC being handled, beside the control loop
         self.deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)   # every env call's
-        self.scorer = scorer
-        self.finisher = finisher
         verifier = inline_reward(load_reward(cfg.reward)) if cfg.reward else None   # (None: task.reward)
         self.reward_fn = scorer.score if scorer else verifier
         # held-out evaluation is scored by the task's verifier whatever trains (--reward none: the task's own
@@ -121,10 +122,10 @@ class EnvManager:
         self.aborted_groups: set[str] = set()
         self.held: collections.deque[RolloutTask] = collections.deque()   # pulled, waiting for free slots
         self.outbox: list[Sample] = []          # finished samples, sent on the manager's next pass
-        self.slots = Slots(cfg.max_concurrency)
         self.fail_streak = 0                    # failed attempts in a row on this rank (_report_failure)
         self.error: BaseException | None = None
         self.wake = asyncio.Event()             # a slot freed or a job crashed: run the control loop now
+        self.slots = Slots(cfg.max_concurrency, self.wake)
         self.counters = dict(tasks_started=0, tasks_skipped=0, samples_sent=0, samples_failed=0, retries=0,
                              aborted_stale=0, aborted_by_request=0, aborted_at_stop=0, env_timeouts=0,
                              engine_restarts=0, samples_lost_to_engine=0, tokens_aborted=0)
@@ -150,10 +151,8 @@ class EnvManager:
         try:
             await self._loop()
         except BaseException:
-            try:                   # best effort: the original error is the one to report
+            with contextlib.suppress(Exception):        # best effort: the original error is the one to report
                 await self._close()
-            except Exception:
-                pass
             raise
         await self._close()
         await self._flush()
@@ -191,11 +190,9 @@ class EnvManager:
             self.wake.clear()
             # sleep one poll period, or less when a slot frees. (Not asyncio.wait_for: in Python 3.11 a
             # cancel that lands as the event fires is swallowed, and a cancelled rank ran on for ever)
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.poll_s):
                     await self.wake.wait()
-            except TimeoutError:
-                pass
 
     async def _close(self):
         if self.sync_task is not None:    # the loop failed or was cancelled during a sync: end it first
@@ -323,8 +320,7 @@ class EnvManager:
                     continue
                 if task.num_samples > self.slots.free():
                     return             # held until enough slots free
-                if spread:
-                    self.group_taken_at[task.group_id] = t_now
+                self.group_taken_at[task.group_id] = t_now
                 self._start(self.held.popleft())
         finally:
             if passed_over:
@@ -340,7 +336,8 @@ class EnvManager:
         job.add_done_callback(lambda j, task=task: self._on_done(task, j))
 
     def _on_done(self, task: RolloutTask, job: asyncio.Task):
-        """Free the slots whatever happened (done, failed, aborted); remember a crash for run()."""
+        """Free the slots whatever happened (done, failed, aborted: the control loop wakes); remember a
+        crash for run()."""
         self.slots.give(task.task_id)
         self.jobs.pop(task.task_id, None)
         self.trajs.pop(task.task_id, None)
@@ -349,7 +346,6 @@ class EnvManager:
             self.recovery.lose(task, exc)     # the engine died under it: recovered by the control loop
         elif isinstance(exc, Exception) and not isinstance(exc, Aborted) and self.error is None:
             self.error = exc
-        self.wake.set()
 
     def _oldest_version(self, task_id: str) -> int:
         trajs = self.trajs.get(task_id, {})
@@ -394,22 +390,14 @@ class EnvManager:
 
     async def _run_task(self, task: RolloutTask):
         live = self.trajs[task.task_id]     # index -> the attempt running now, for aborts and staleness
+        # the sample's slot is free while a finisher completes it (Slots says why); the controller's
+        # admission still bounds the samples in flight
+        finish = functools.partial(self.slots.lend, task.task_id, self.finisher) if self.finisher else None
 
         def one(i):
             return run_trajectory(self.proxy, lambda: self._make_env(task), self.fmt, self.cfg, task, i,
                                   on_attempt=live.__setitem__, on_failure=self._report_failure,
-                                  deadline=self.deadline, finish=finish if self.finisher else None)
-
-        async def finish(sample: Sample):
-            # the sample's slot is free while the finisher completes it (Slots says why); the controller's
-            # admission still bounds the samples in flight
-            self.slots.give(task.task_id, 1)
-            self.wake.set()
-            try:
-                await self.finisher(sample)
-            except Exception:
-                await self.slots.take_back(task.task_id)      # (tried again: in a slot of its own)
-                raise
+                                  deadline=self.deadline, finish=finish)
         await self._back_off()
         if task.num_samples == 1:  # replicated tasks: the common case, no sub-tasks
             samples = [await one(0)]

@@ -46,6 +46,7 @@ Design notes: DESIGN.md#lossespy
 """
 
 import dataclasses
+import functools
 import types
 from dataclasses import dataclass
 
@@ -87,18 +88,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return adv.reshape(n)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO (Shao et al. 2024): each reward minus its group's mean, over the group's std + 1e-6."""
-    return group_advantages(rewards, group_size, scale=True)
-
-
-def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025): each reward minus its group's mean, unscaled (the std's division
-    weighs groups of nearly equal rewards up; its other change, a length-free aggregation, is not here)."""
-    return group_advantages(rewards, group_size, scale=False)
-
-
-ADV_ESTIMATORS = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages}
+# grpo (Shao et al. 2024): each reward minus its group's mean, over the group's std + 1e-6. drgrpo (Dr. GRPO,
+# Liu et al. 2025): each reward minus its group's mean, unscaled (the std's division weighs groups of nearly
+# equal rewards up; its other change, a length-free aggregation, is not here).
+ADV_ESTIMATORS = {"grpo": functools.partial(group_advantages, scale=True),
+                  "drgrpo": functools.partial(group_advantages, scale=False)}
 
 
 def estimate_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "grpo") -> torch.Tensor:

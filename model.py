@@ -40,8 +40,7 @@ def collate(samples, device, version: int | None = None) -> dict:
     per-token values by name, [B, T] float32 on the loss mask's columns too (0 elsewhere): each model
     token's policy version ("version"), its lag behind the trainer's `version` ("lag", when given), and
     each entry of Sample.token_fields (one value per model token; every sample of the batch has the same)."""
-    width = max(s.num_tokens for s in samples)
-    B = len(samples)
+    B, width = len(samples), max(s.num_tokens for s in samples)
     input_ids = torch.zeros(B, width, dtype=torch.long)
     attn = torch.zeros(B, width, dtype=torch.long)
     old_logp = torch.zeros(B, width)

@@ -12,7 +12,8 @@ Completion carries the token ids, the behaviour logprob and the policy version o
 Suspend "keep": in-flight requests stay in the engine and continue under the new weights; "abort":
 they end, and are resubmitted after resume as prompt + tokens so far (partial rollout). VLLMEngine
 (vllm_engine.py) and FakeTimedEngine (tools/fake_engine.py) implement one backend interface (Engine), so
-every rule here is the same code in tests, in the simulator and on a GPU cluster.
+every rule here is the same code in tests, in the simulator and on a GPU cluster. A dead engine can be
+swapped for a new one under a proxy (ext/recovery.replace_engine).
 
 A token's version is the one the engine labelled it with when it sampled it (update_weights labels
 each load: set_version; a request's last output carries its tokens' spans per version), never the
@@ -24,12 +25,13 @@ Design notes: DESIGN.md#proxypy
 """
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Iterable, Protocol, runtime_checkable
+from typing import Iterable
 
 from buffer import now
 
@@ -57,13 +59,9 @@ class Sampling:
     stream_interval: int = 1
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"Sampling.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.stream_interval < 1:
-            raise ValueError(f"Sampling.stream_interval must be >= 1, got {self.stream_interval}")
-        if self.temperature < 0:
-            raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy, for evaluation), "
-                             f"got {self.temperature}")
+        for name, least in (("max_tokens", 1), ("stream_interval", 1), ("temperature", 0)):   # (0: greedy)
+            if getattr(self, name) < least:
+                raise ValueError(f"Sampling.{name} must be >= {least}, got {getattr(self, name)}")
 
 
 @dataclass
@@ -78,63 +76,48 @@ class Completion:
     latency_s: float = 0.0
     num_resubmits: int = 0                                 # "abort"-mode partial-rollout resubmissions
 
-    @property
-    def oldest_version(self) -> int:
-        """The policy version of its oldest token (no token yet: the version it was submitted under), as
-        buffer.Sample's and rollout.Trajectory's: what the freshness rule judges."""
-        return min(self.versions) if self.versions else self.submit_version
-
 
 # ---------------------------------------------------------------------------------------------
 # the engine interface: what the proxy drives
 
 
-@runtime_checkable
-class Engine(Protocol):
+class Engine:
     """A generation backend behind the proxy: vllm_engine.VLLMEngine (real vLLM, the default) and
     tools/fake_engine.FakeTimedEngine (timed, for the unit tests and the simulator) implement it, and a new
-    backend is one class with these methods. Optionally a `dead` property: True once the engine's process
-    is gone (the proxy's watchdog asks it every second; without it only silence is noticed)."""
+    backend is one class with these methods (tests/test_proxy.py checks every backend against this list: the
+    names, the parameters' names, which are async):
 
-    def stream(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
-               cache_salt: str | None = None
-               ) -> AsyncIterator[tuple[list[int], list[float], str | None, list | None]]:
-        """Generate: per output (new token ids, their logprobs, None, None); the last output carries the
-        finish reason ("stop", "length", "abort") and the spans [(version, start, end)] of the request's
-        tokens by the version that sampled them (None: weights never labelled). Closing it early aborts the
-        request. Requests of the same cache_salt may share prefix-cache blocks, others never."""
-        ...
+        def stream(self, request_id, prompt_token_ids, sampling, cache_salt=None)     (an async generator)
+            Generate prompt_token_ids' continuation under `sampling` (Sampling): per output (new token ids,
+            their logprobs, None, None); the last output carries the finish reason ("stop", "length",
+            "abort") and the spans [(version, start, end)] of the request's tokens by the version that
+            sampled them (None: weights never labelled). Closing it early aborts the request. Requests of the
+            same cache_salt may share prefix-cache blocks, others never.
+        async def abort(self, request_ids)
+            End these requests: their streams end with finish reason "abort".
+        async def pause(self, mode)
+            Schedule nothing until resume(): "keep" holds the running requests (they go on after it),
+            "abort" ends them.
+        async def resume(self)
+            Schedule again after pause().
+        async def sleep(self)
+            Release the engine's memory for training on the same GPU (--colocate); wake() brings it back.
+        async def wake(self)
+            Take the memory back after sleep().
+        async def set_version(self, version)
+            Label the tokens sampled from now on with this policy version (the spans of stream()).
+        async def receive_weights(self, spec, first_rank, layout)
+            Receive new weights the way spec names (weight_sync.GroupSpec; None: none to receive), as ranks
+            first_rank.. of its group, and load them; layout: their (name, shape, dtype). Returns each
+            worker's timings ({"total_s", "wait_s"}) or None.
+        async def score(self, token_ids)
+            The logprob of each token after the first given the ones before it, at temperature 1 (the probe
+            that checks the weights arrived).
+        def shutdown(self)
+            Stop the engine and its processes; idempotent.
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """End these requests: their streams end with finish reason "abort"."""
-
-    async def pause(self, mode: str) -> None:
-        """Schedule nothing until resume(): "keep" holds the running requests (they go on after it), "abort"
-        ends them."""
-
-    async def resume(self) -> None:
-        """Schedule again after pause()."""
-
-    async def sleep(self) -> None:
-        """Release the engine's memory for training on the same GPU (--colocate); wake() brings it back."""
-
-    async def wake(self) -> None:
-        """Take the memory back after sleep()."""
-
-    async def set_version(self, version: int) -> None:
-        """Label the tokens sampled from now on with this policy version (the spans of stream())."""
-
-    async def receive_weights(self, spec, first_rank: int, layout) -> list[dict] | None:
-        """Receive new weights the way spec names (weight_sync.GroupSpec; None: none to receive), as ranks
-        first_rank.. of its group, and load them; layout: their (name, shape, dtype). Returns each worker's
-        timings ({"total_s", "wait_s"}) or None."""
-
-    async def score(self, token_ids: list[int]) -> list[float]:
-        """The logprob of each token after the first given the ones before it, at temperature 1 (the probe
-        that checks the weights arrived)."""
-
-    def shutdown(self) -> None:
-        """Stop the engine and its processes; idempotent."""
+    Optionally a `dead` property: True once the engine's process is gone (the proxy's watchdog asks it every
+    second; without it only silence is noticed)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,12 +126,8 @@ class Engine(Protocol):
 
 class LLMProxy:
     def __init__(self, engine: Engine, rank: int = 0, timeout_s: float = 60.0):
-        self.engine = engine
-        self.rank = rank
+        self.engine, self.rank, self.status, self.version = engine, rank, Status.RUNNING, 0
         self.timeout_s = timeout_s          # an engine silent this long while running = dead
-        self.status = Status.RUNNING
-        self.version = 0
-        self.suspend_mode = "keep"
         self.asleep = False                   # sleep()ing: colocated mode, memory given to the trainer
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -160,11 +139,7 @@ class LLMProxy:
         self._watchdog_task: asyncio.Task | None = None
         self._last_progress = 0.0                      # loop time of the last token received
         self._failure: EngineError | None = None
-        # counters
-        self.num_in_flight = 0
-        self.num_completed = 0
-        self.num_tokens = 0
-        self.num_resubmits = 0
+        self.num_in_flight = self.num_completed = self.num_tokens = self.num_resubmits = 0      # counters
         self.latencies_s: deque[float] = deque(maxlen=4096)
         self._t_start: float | None = None   # set on first use, in loop time
         self._busy_s = 0.0
@@ -193,13 +168,9 @@ class LLMProxy:
     # --- utilisation bookkeeping: busy = has requests and not paused
     def _account(self):
         t = now()
-        if self._t_start is None:
-            self._t_start = t
-        if self._busy_since is not None:
-            self._busy_s += t - self._busy_since
-            self._busy_since = None
-        if self.num_in_flight > 0 and self.status == Status.RUNNING:
-            self._busy_since = t
+        self._t_start = t if self._t_start is None else self._t_start
+        self._busy_s += t - self._busy_since if self._busy_since is not None else 0.0     # (busy until now)
+        self._busy_since = t if self.num_in_flight > 0 and self.status == Status.RUNNING else None
 
     def stats(self) -> dict:
         self._account()
@@ -222,14 +193,12 @@ class LLMProxy:
         timeout = timeout or self.timeout_s
         task = asyncio.ensure_future(coro)
         deadline = now() + timeout
+        tick = 1.0 if hasattr(self.engine, "dead") else float("inf")      # seconds between its answers
         try:
             while not task.done():
-                if hasattr(self.engine, "dead"):
-                    await asyncio.wait({task}, timeout=max(0.0, min(1.0, deadline - now())))
-                    if not task.done() and self.engine.dead:
-                        raise EngineError(f"rollout rank {self.rank}: the engine process died during {phase}")
-                else:
-                    await asyncio.wait({task}, timeout=max(0.0, deadline - now()))
+                await asyncio.wait({task}, timeout=max(0.0, min(tick, deadline - now())))
+                if not task.done() and getattr(self.engine, "dead", False):
+                    raise EngineError(f"rollout rank {self.rank}: the engine process died during {phase}")
                 if not task.done() and now() >= deadline:
                     raise EngineError(f"rollout rank {self.rank}: engine did not answer "
                                       f"within {timeout:.0f}s during {phase}")
@@ -262,11 +231,9 @@ class LLMProxy:
         try:
             while True:
                 await self._resumed.wait()          # no new submissions while suspended
-                budget = sampling.max_tokens - len(c.token_ids)
-                eid = f"{rid}.{c.num_resubmits}"
-                self._engine_ids[rid] = eid
-                # (the first submission asks for the whole budget: no copy)
-                sp = sampling if budget == sampling.max_tokens else replace(sampling, max_tokens=budget)
+                eid = self._engine_ids[rid] = f"{rid}.{c.num_resubmits}"
+                left = sampling.max_tokens - len(c.token_ids)         # a resubmission asks for what is left
+                sp = replace(sampling, max_tokens=left) if c.token_ids else sampling    # (the first: no copy)
                 reason = await self._consume(eid, c.prompt_token_ids + c.token_ids, sp, c)
                 if (reason == "abort" and rid not in self._user_aborted
                         and len(c.token_ids) < sampling.max_tokens):
@@ -318,11 +285,9 @@ class LLMProxy:
             raise EngineError(f"rollout rank {self.rank}: engine failed during generate: {e!r}") from e
         finally:
             if not ended:    # cancelled or failed: closing the stream aborts the request (bounded: the
-                try:         # engine may be gone)
+                with contextlib.suppress(TimeoutError, RuntimeError):     # engine may be gone)
                     async with asyncio.timeout(5.0):
                         await stream.aclose()
-                except (TimeoutError, RuntimeError):
-                    pass
         if reason is None:
             raise EngineError(f"rollout rank {self.rank}: engine stream for {eid} ended without a finish "
                               f"reason")
@@ -353,11 +318,10 @@ class LLMProxy:
             silent = now() - self._last_progress
             dead = self.num_in_flight > 0 and getattr(self.engine, "dead", False)
             if dead or (self.status == Status.RUNNING and self.num_in_flight > 0 and silent > self.timeout_s):
-                self._failure = EngineError(
-                    f"rollout rank {self.rank}: "
-                    + ("the engine process died" if dead
+                why = ("the engine process died" if dead
                        else f"engine produced nothing for {silent:.0f}s during generate")
-                    + f" ({self.num_in_flight} requests waiting)")
+                waiting = f"{self.num_in_flight} requests waiting"
+                self._failure = EngineError(f"rollout rank {self.rank}: {why} ({waiting})")
                 for t in list(self._consumers):
                     t.cancel()
                 return
@@ -384,7 +348,6 @@ class LLMProxy:
             return
         self._resumed.clear()
         self.status = Status.SUSPENDED
-        self.suspend_mode = mode
         self._account()
         wall0 = time.time()
         await self._call(f"suspend({mode})", self.engine.pause(mode))
@@ -440,21 +403,6 @@ class LLMProxy:
         """The engine's logprobs of a fixed probe sequence (to check that weights arrived)."""
         self._check_running("score")
         return await self._call("score", self.engine.score(list(token_ids)))
-
-    def replace_engine(self, engine):
-        """After an engine failure: carry on with a new backend. The old one is shut down and its
-        requests are gone; version and counters are kept. The proxy is left suspended: the caller
-        loads the current weights (update_weights), then resume()s."""
-        old, self.engine = self.engine, engine
-        try:
-            old.shutdown()
-        except Exception:         # it is dead already; shutting it down is best effort
-            pass
-        self._failure = None
-        self._engine_ids.clear()
-        self._resumed.clear()
-        self.status = Status.SUSPENDED
-        self._account()
 
     def shutdown(self):
         if self.status != Status.STOPPED:

@@ -27,9 +27,7 @@ import torch.distributed as dist
 
 from buffer import PROBE_TEXT
 from trainer import Trainer
-from weight_sync import TRANSPORTS
-
-
+from weight_sync import TRANSPORTS, gpus_shared
 
 
 def collective(phase: str, fn, *args, **kwargs):
@@ -103,19 +101,17 @@ class TrainerRanks:
         its own engine's) sends what every rank gathers. Every rank sending, over several ranks: every
         rank's outcome goes to rank 0, which raises for any (the controller then syncs again); the others
         go on."""
-        tr, each = self.trainer, self.every_rank_sends and self.num_ranks > 1
-        dtypes = [getattr(torch, dtype) for _, _, dtype in layout]    # gathered in the engine's dtype
+        tr, each, error = self.trainer, self.every_rank_sends and self.num_ranks > 1, None
+        named = tr.iter_full_state([getattr(torch, dtype) for _, _, dtype in layout])  # in the engine's dtype
         if self.sender is None:
-            for _ in tr.iter_full_state(dtypes):
+            for _ in named:                            # this rank's part of the gathers, nothing sent
                 pass
-            error = None
-        elif not each:
-            return self.sender.send(spec, tr.iter_full_state(dtypes), layout)
         else:
             try:
-                self.sender.send(spec, tr.iter_full_state(dtypes), layout)
-                error = None
+                self.sender.send(spec, named, layout)
             except Exception as e:
+                if not each:
+                    raise
                 error = str(e)
         if each:
             errors = [None] * self.num_ranks
@@ -210,7 +206,7 @@ def trainer_ranks(cfg, exts, rank: int, device: str, trainer_group, model_dir: s
     # followers wait for rank 0's next op on the store, not in a collective: a step may outlast --timeout-s
     ranks = TrainerRanks(trainer, cfg.train_gpus, trainer_group, cfg.out_dir, model_dir,
                          tokenizer.encode(PROBE_TEXT), store=mailbox, timeout_s=timeout)
-    ranks.after_train = [e.after_train for e in exts]
+    ranks.after_train = [e.after_train for e in exts if hasattr(e, "after_train")]
     ranks.probe_due = lambda v: cfg.check_sync_every > 0 and v % cfg.check_sync_every == 0
     # the weights go to the engines by the transport's senders (rank 0's, or every rank's); engines receive
     # in their own dtype
@@ -277,27 +273,20 @@ def layout_errors(places: list[tuple[int, str]], train: int, transport: str, cud
     """What is wrong with this layout, before any group forms: an NCCL trainer group (GPU) holding two ranks
     of one GPU, which NCCL refuses; and what the weight transport cannot run on (its layout_errors: the
     group's weight-sync group likewise, an ipc pair not on one GPU)."""
-    from weight_sync import TRANSPORTS
-
     def name(r: int) -> str:
         return f"trainer rank {r}" if r < train else f"rollout rank {r - train} (global rank {r})"
 
     def where(r: int) -> str:
         return f"node {places[r][0]}'s GPU {places[r][1]}" if cuda else f"node {places[r][0]}"
-    errors, seen = [], {}
-    for r in range(train):
-        if cuda and places[r] in seen:
-            errors.append(f"the trainer group (FSDP) would hold {name(seen[places[r]])} and {name(r)}, both "
-                          f"on {where(r)}: NCCL refuses two ranks of one GPU")
-        seen.setdefault(places[r], r)
-    return errors + TRANSPORTS[transport].layout_errors(places, train, cuda, name, where)
+    return (gpus_shared("the trainer group (FSDP)", range(train), places, cuda, name, where)
+            + TRANSPORTS[transport].layout_errors(places, train, cuda, name, where))
 
 
 def init_distributed(cfg, extra: int = 0):
     """This rank in torchrun's job (train.py's Config; extra: the ranks extensions add after the rollout
     ranks, each running an engine: a teacher's, a judge's): the checks, the default group (gloo) and the
-    trainer group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core, trainer
-    group, store)."""
+    trainer group (NCCL on GPU), its device and CPU cores. -> (rank, world, device, engine core (a rollout
+    rank's on CPU, else ""), trainer group, store)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         sys.exit(f"train.py: {', '.join(missing)} not set: launch with torchrun, e.g.\n"
@@ -305,7 +294,7 @@ def init_distributed(cfg, extra: int = 0):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cfg.rollout_gpus + cfg.train_gpus + extra != world:
         sys.exit(f"train.py: --rollout-gpus {cfg.rollout_gpus} + --train-gpus {cfg.train_gpus}"
-                 + (f" + {extra} more (the extensions' engines: --teacher-gpus, ...)" if extra else "")
+                 + (f" + {extra} of the extensions' ranks" if extra else "")
                  + f" = {cfg.rollout_gpus + cfg.train_gpus + extra}, but torchrun started {world} ranks "
                  f"(WORLD_SIZE; train.py --print-world-size counts them)")
     cuda = torch.cuda.is_available()
@@ -327,21 +316,17 @@ def init_distributed(cfg, extra: int = 0):
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent and rank == 0,
         timeout=long))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=long)
-    trainer_group = dist.new_group(list(range(cfg.train_gpus)),
-                                   timeout=timedelta(seconds=cfg.controller.timeout_s),
-                                   backend="nccl" if cuda else "gloo")
+    trainer_group = dist.new_group(list(range(cfg.train_gpus)), backend="nccl" if cuda else "gloo",
+                                   timeout=timedelta(seconds=cfg.controller.timeout_s))
     # explicit: worker threads default to cuda:0
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     engine_core = ""
-    if not cuda:   # CPU: trainer rank t on host core t (one thread); rollout ranks share the host cores
-        # (the extensions' engines, a teacher's or a judge's, run on the last host core at the lowest
-        # priority, ext/served.py: two vLLM engines on one core starve each other, each worker spinning
-        # between requests; measured: DESIGN.md, "A model in the loop")
+    if not cuda:   # CPU: trainer rank t on host core t (one thread); the other ranks share the host cores,
+        # and a rollout rank's engine gets an engine core (an extension's rank places its own: ext/served.py)
         host, engines = cpu_layout(sorted(os.sched_getaffinity(0)), cfg.rollout_gpus)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {host[rank % len(host)]} if rank < cfg.train_gpus else set(host))
-        if rank >= cfg.train_gpus:
-            rollout = rank < cfg.train_gpus + cfg.rollout_gpus
-            engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)] if rollout else host[-1])
+        if cfg.train_gpus <= rank < cfg.train_gpus + cfg.rollout_gpus:
+            engine_core = str(engines[(rank - cfg.train_gpus) % len(engines)])
     # the default group's TCPStore: the weight-sync group meets there, and the trainer ranks' mailboxes
     return rank, world, device, engine_core, trainer_group, store.underlying_store

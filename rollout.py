@@ -23,6 +23,7 @@ Deviations (the env seed per group, staleness from the first token, ...): DESIGN
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -74,20 +75,16 @@ class RolloutConfig:
         check(self, at_least=dict(max_concurrency=1, max_turns=1, stream_interval=1, max_tokens=0,
                                   max_model_len=0, max_retries=0, gpu_memory_utilization=0),
               above=dict(temperature=0, env_step_timeout_s=0, poll_s=0, stop_timeout_s=0, kv_cache_gib=0),
+              at_most=dict(gpu_memory_utilization=1),
               one_of=dict(suspend_mode=("keep", "abort"), dtype=("auto", "float32", "bfloat16", "float16")))
-        if self.gpu_memory_utilization > 1:
-            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0 = auto), got "
-                             f"{self.gpu_memory_utilization}")
 
     def resolved(self, model_dir: str, device: str, embedded: bool) -> "RolloutConfig":
         """The settings that default to the model's (context, reply length) and the device's (dtype)."""
         from transformers import AutoConfig
-        return dataclasses.replace(
-            self,
-            max_model_len=self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings,
-            max_tokens=self.max_tokens or (8 if embedded else 1024),   # (the embedded model's: a few chars)
-            dtype=(self.dtype if self.dtype != "auto"
-                   else ("bfloat16" if device.startswith("cuda") else "float32")))
+        context = self.max_model_len or AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        dtype = self.dtype if self.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
+        reply = self.max_tokens or (8 if embedded else 1024)      # (the embedded model's: a few chars)
+        return dataclasses.replace(self, max_model_len=context, max_tokens=reply, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,16 +132,12 @@ class FixedDeadline:
 def model_eos_ids(tokenizer) -> set[int]:
     """Every token the engine stops on: the tokenizer's EOS and the ids in the model dir's
     generation_config.json (vLLM stops on all of them)."""
-    ids = {tokenizer.eos_token_id} - {None}
-    model_dir = getattr(tokenizer, "name_or_path", "")
-    if not model_dir:                       # a tokenizer built in memory: no model dir to read
-        return ids
-    try:
+    eos = None
+    if model_dir := getattr(tokenizer, "name_or_path", ""):     # (a tokenizer built in memory has none)
         from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except (OSError, ValueError):           # no generation config: the tokenizer's EOS only
-        return ids
-    return ids | (set(eos if isinstance(eos, list) else [eos]) - {None})
+        with contextlib.suppress(OSError, ValueError):          # no generation config: the tokenizer's only
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    return {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
 
 
 FIRST_CACHE = 4096    # prompts whose tokens PromptFormat.first keeps (a few steps' worth of groups)
@@ -293,19 +286,16 @@ class Trajectory:
     @property
     def oldest_version(self) -> int:
         """The policy version of its oldest token (none yet: the version it started under), as
-        buffer.Sample's and proxy.Completion's (versions only grow along a trajectory: its first token's)."""
+        buffer.Sample's (versions only grow along a trajectory: its first token's)."""
         return self.versions[0] if self.versions else self.start_version
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
         """Append action tokens (with logprobs and versions) or observation tokens (without)."""
+        action = versions is not None
         self.response_ids += ids
-        if versions is None:
-            self.logprobs += [0.0] * len(ids)
-            self.loss_mask += [0] * len(ids)
-        else:
-            self.logprobs += logprobs
-            self.loss_mask += [1] * len(ids)
-            self.versions += versions
+        self.logprobs += logprobs if action else [0.0] * len(ids)
+        self.loss_mask += [int(action)] * len(ids)
+        self.versions += versions if action else []
 
 
 async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask,
@@ -341,13 +331,11 @@ async def run_trajectory(proxy, new_env, fmt: PromptFormat, cfg: RolloutConfig, 
 
 
 async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: RolloutTask, traj: Trajectory,
-                       tag: str = "0", meta: dict | None = None,
-                       deadline: FixedDeadline | None = None) -> Sample:
-    """reset -> (generate -> step)* -> Sample, filling `traj` as it goes. Raises EnvFailure when an
-    env call raises or outlives `deadline` (default: a fixed cfg.env_step_timeout_s), Aborted when
+                       tag: str, meta: dict, deadline: FixedDeadline) -> Sample:
+    """reset -> (generate -> step)* -> Sample, filling `traj` as it goes (tag: the attempt's, in its request
+    ids; meta: the Sample's). Raises EnvFailure when an env call raises or outlives `deadline`, Aborted when
     someone else aborted the engine request."""
     where = f"rollout rank {proxy.rank}: env {task.env or 'single-turn'!r}"
-    deadline = deadline or FixedDeadline(cfg.env_step_timeout_s)
 
     async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
         kind = phase.split()[0]                      # "reset" or "step"
@@ -389,8 +377,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
             end = next((k + 1 for k, t in enumerate(ids) if t in fmt.eos_ids), end)   # after it are trained
         traj.add(ids[:end], c.logprobs[:end], c.versions[:end])                       # through, out of the
         traj.add(ids[end:])                                                           # loss
-        ids = ids[:end]
-        text = fmt.decode(ids)             # EOS: trained on, not shown to the env
+        text = fmt.decode(ids[:end])             # EOS: trained on, not shown to the env
         obs, r, done, _ = await env_call(env.step(text), f"step {turn}")
         traj.reward += finite_reward(r, f"{where} step {turn} (task {task.task_id})")
         traj.num_turns += 1
@@ -407,4 +394,4 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
                   traj.loss_mask, traj.versions, traj.reward,
                   finish_reason=traj.finish_reason,
                   rank=proxy.rank, num_turns=traj.num_turns, admit_version=task.admit_version,
-                  meta={**(meta or {}), "eval": task.eval_temperature is not None})
+                  meta={**meta, "eval": task.eval_temperature is not None})

@@ -22,6 +22,9 @@ import os
 import time
 from pathlib import Path
 
+from config import Extensions
+
+
 def print0(*args):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, flush=True)
@@ -56,7 +59,7 @@ SUMMED = ("time_wait_rollout", "time_train", "time_weight_sync", "samples_droppe
 
 class RunLog:
     def __init__(self, cfg, exts=()):
-        self.cfg, self.exts = cfg, exts
+        self.cfg, self.exts = cfg, Extensions(exts)
         self.out = Path(cfg.out_dir)
         self.path = self.out / "metrics.jsonl"
         # this session's rows, bounded (a long run must not grow): the first and the last 10, sums
@@ -67,31 +70,26 @@ class RunLog:
         self.t_start = process_start()
         self.t_ready: float | None = None
 
-    def _hooks(self, hook: str, *args) -> list:
-        return [r for e in self.exts if (r := getattr(e, hook)(*args)) is not None]
-
     async def starting(self, awaitable) -> dict:
         """Await the engines' READY (controller.wait_ready, bounded by its own timeout), saying what
         start-up waits for, again every 15 s; then the "rollout ready" line."""
-        n = self.cfg.rollout_gpus
-        print0(f"starting {n} engine{'s' if n > 1 else ''} and warming up (on a 2-core CPU: a vLLM engine "
-               f"about 30 s, the one-process run's torch engine a few) ...")
+        engines = f"{self.cfg.rollout_gpus} engine{'s' if self.cfg.rollout_gpus > 1 else ''}"
+        print0(f"starting {engines} and warming up (on a 2-core CPU: a vLLM engine about 30 s, the "
+               f"one-process run's torch engine a few) ...")
         task = asyncio.ensure_future(awaitable)
         while not (await asyncio.wait({task}, timeout=15.0))[0]:
             print0(f"  ... still starting: {time.time() - self.t_start:.0f}s since launch")
         ready = task.result()
         self.t_ready = time.time()
-        self._hooks("on_ready", self.t_ready)
+        self.exts.call("on_ready", self.t_ready)
         diff = ready.get("sync_probe_max_diff")
-        print0(f"rollout ready: {n} engine{'s' if n > 1 else ''} in "
-               f"{self.t_ready - self.t_start:.1f}s since launch"
+        print0(f"rollout ready: {engines} in {self.t_ready - self.t_start:.1f}s since launch"
                + (f", {probe_verdict(diff, self.cfg)}" if diff is not None else ""))
         return ready
 
     def step(self, step: int, version: int, info: dict, train: dict, sync: dict, time_train: float,
              time_step: float) -> dict:
-        row = {"step": step, "version": version, **info, **train, "time_train": time_train,
-               **{k: v for k, v in sync.items() if k != "acks"},
+        row = {"step": step, "version": version, **info, **train, "time_train": time_train, **sync,
                "time_step": time_step, "samples_per_s": info["num_samples"] / time_step,
                "tokens_per_s": info["num_tokens"] / time_step}
         with open(self.path, "a") as f:
@@ -101,7 +99,7 @@ class RunLog:
             self.first.append(row)
         self.recent.append(row)
         self.totals.update({k: row.get(k) or 0 for k in SUMMED})
-        self._hooks("on_row", row)
+        self.exts.call("on_row", row)
         print0(self.line(row))
         return row
 
@@ -124,7 +122,7 @@ class RunLog:
                 f"{r['time_step']:.2f}s (wait {r['time_wait_rollout']:.2f} train {r['time_train']:.2f} sync "
                 f"{r['time_weight_sync']:.2f}) | {r['samples_per_s']:.1f} samples/s | util "
                 f"{r.get('rollout_utilisation', 0.0):.2f}"
-                + "".join(f" | {x}" for x in self._hooks("step_line", r))
+                + "".join(f" | {x}" for x in self.exts.call("step_line", r))
                 + f" | eta {fmt_s(self.eta(r['step']))}")
 
     def write_stats(self, counters: dict, ranks_stats: list[dict]):
@@ -136,14 +134,13 @@ class RunLog:
 
     def finish(self, extra: str = ""):
         """End of the run: the extensions finish and close, the summary."""
-        self._hooks("on_finish")
+        self.exts.call("on_finish")
         self.close()
         print0(self.summary() + (f"\n  {extra}" if extra else ""))
 
     def close(self):
         """The extensions write what is pending and close; idempotent (train.py calls it on a crash too)."""
-        for e in self.exts:
-            e.close()
+        self.exts.call("close")
 
     def summary(self, t_end: float | None = None) -> str:
         n, t_end, tot = self.num_rows, t_end or time.time(), self.totals
@@ -167,8 +164,8 @@ class RunLog:
                  + f"  (of {fmt_s(after)} after start-up)",
                  f"  samples    {tot['samples_dropped_stale']} dropped as stale, {tot['groups_filtered']} "
                  f"groups filtered (all rewards equal), {tot['samples_failed']} failed"]
-        lines += [x for e in self.exts for x in (e.summary_lines(self) or [])]
-        files = [str(self.path)] + [x for e in self.exts for x in (e.run_files() or [])]
+        lines += [x for xs in self.exts.call("summary_lines", self) for x in xs]
+        files = [str(self.path)] + [x for xs in self.exts.call("run_files") for x in xs]
         lines += [f"  files      {', '.join(files)}; checkpoint {self.out / 'checkpoint'}",
                   f"  pictures   python -m tools.plot {self.out}"]
         return "\n".join(lines)
@@ -223,29 +220,28 @@ def trim_metrics(out_dir: str, step: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# what the controller reports (it passes itself and the step's counters at its start, `before`)
+# what the controller reports (it passes itself: this_step() holds the step's counters so far)
 
 
-def collect_line(ctrl, before: dict, elapsed: float) -> str:
+def collect_line(ctrl, elapsed: float) -> str:
     """The heartbeat while a step collects (every --heartbeat-s)."""
-    a = ctrl.assembler
-    failed = a.samples_failed - before["failed"]
+    a, step = ctrl.assembler, ctrl.this_step()
+    failed = step["samples_failed"]
     last = f" (the last: {a.last_failed.meta.get('error', '?')[:160]})" if failed and a.last_failed else ""
     return (f"  collecting step {ctrl.version - ctrl.version0 + 1} for {elapsed:.0f}s: {a.num_ready()}/"
             f"{ctrl.cfg.batch_groups} groups ready, {len(ctrl.step_rewards)} samples in, {failed} failed"
-            f"{last}, {a.groups_filtered - before['filtered']} groups filtered, "
+            f"{last}, {step['groups_filtered']} groups filtered, "
             f"{ctrl.buffer.num_queued_tasks()} tasks queued")
 
 
-def stall_report(ctrl, before: dict) -> str:
+def stall_report(ctrl) -> str:
     """Why no batch could form: what happened to the samples of this step, with an example."""
-    assembler = ctrl.assembler
-    failed, filtered = (assembler.samples_failed - before["failed"],
-                        assembler.groups_filtered - before["filtered"])
+    assembler, step = ctrl.assembler, ctrl.this_step()
+    failed, filtered = step["samples_failed"], step["groups_filtered"]
     msg = (f"{ctrl.buffer.who}: no new group became ready for {ctrl.cfg.timeout_s:.0f}s "
            f"({assembler.num_ready()} of {ctrl.cfg.batch_groups} ready); this step so far: "
            f"{len(ctrl.step_rewards)} samples arrived, {failed} failed, {filtered} groups filtered "
-           f"(all rewards equal), {assembler.samples_dropped_stale - before['stale']} dropped as stale")
+           f"(all rewards equal), {step['samples_dropped_stale']} dropped as stale")
     if failed and assembler.last_failed is not None:
         msg += f"; a failed sample: {assembler.last_failed.meta.get('error', '?')}"
     elif filtered and assembler.last_filtered:
@@ -256,10 +252,10 @@ def stall_report(ctrl, before: dict) -> str:
     return msg
 
 
-def spin_report(ctrl, before: dict, tail: str = "") -> str:
+def spin_report(ctrl, tail: str = "") -> str:
     """Dynamic filtering that keeps resampling: how many of this step's groups it dropped, and why."""
     mean = sum(ctrl.step_rewards) / max(len(ctrl.step_rewards), 1)
-    return (f"{ctrl.assembler.groups_filtered - before['filtered']} groups completed in step "
+    return (f"{ctrl.this_step()['groups_filtered']} groups completed in step "
             f"{ctrl.version - ctrl.version0 + 1} had all-equal rewards (reward mean {mean:.3f}: the task is "
             f"too hard or too easy for the model) {tail}").rstrip()
 

@@ -51,9 +51,9 @@ def make_problems(n: int, seed: int, digits: tuple[int, ...] = (1, 2, 3)) -> lis
     return [make_problem(rng, digits) for _ in range(n)]
 
 
-def reward_add(response: str, answer: str) -> float:
+def reward_add(problem: Problem, response: str) -> float:
     """1.0 if the response (up to end of sequence) is exactly the answer, else 0.0."""
-    return 1.0 if response.strip() == answer else 0.0
+    return 1.0 if response.strip() == problem.answer else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,14 +79,13 @@ def load_dataset(path: str, prompt_key: str = "", answer_key: str = "") -> list[
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--data {path}: no such file")
-    rows: list[tuple[str, dict]] = []
+    rows: list[tuple[str, dict]] = []            # (where: its file and line or row, the row)
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq  # optional: only needed for parquet input
         except ImportError as e:
             raise ImportError(f"--data {path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        for i, row in enumerate(pq.read_table(p).to_pylist()):
-            rows.append((f"{path} row {i}", row))
+        rows = [(f"{path} row {i}", row) for i, row in enumerate(pq.read_table(p).to_pylist())]
     else:
         with open(p) as f:
             for lineno, line in enumerate(f, start=1):
@@ -107,10 +106,11 @@ def load_dataset(path: str, prompt_key: str = "", answer_key: str = "") -> list[
     return problems
 
 
-def reward_math(response: str, answer: str) -> float:
+def reward_math(problem: Problem, response: str) -> float:
     """math-verify: parse the reference and the response, 1.0 if they are equivalent."""
     from math_verify import parse, verify  # lazy: heavy import (sympy), only for --data runs
 
+    answer = problem.answer
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
     pred = parse(response)
     try:
@@ -140,12 +140,10 @@ class DataConfig:
                 raise SystemExit(f"train.py: {e}" if str(e).startswith("--data")
                                  else f"train.py: --data {self.data}: {e}") from None
 
-    def sources(self, seed: int, exts=()) -> tuple:
+    def sources(self, seed: int, exts) -> tuple:
         """(training problems from the dataset, or None; make(rng) -> Problem for generated ones; held-out
         problems): --data, else the default task, then what the run's extensions (config.Extensions) say: a
         task's own generator (--task), a workload's lengths, a held-out split (--eval-every)."""
-        from config import Extensions
-        exts = Extensions(exts)
         problems = load_dataset(self.data, self.prompt_key, self.answer_key) if self.data else None
         make = exts.first("problem_maker", seed) or make_problem
         problems, make = exts.fold("problem_source", (problems, make), seed)
@@ -153,8 +151,7 @@ class DataConfig:
         return problems, make, held_out
 
 
-VERIFIERS = {"add": lambda problem, response: reward_add(response, problem.answer),
-             "math": lambda problem, response: reward_math(response, problem.answer)}
+VERIFIERS = {"add": reward_add, "math": reward_math}
 
 
 def reward(problem: Problem, response: str) -> float:
@@ -183,14 +180,11 @@ def load_reward(spec: str):
 def problem_stream(problems: list[Problem] | None, seed: int, start: int = 0, make=None):
     """Endless problems: a shuffled pass over a dataset, or generated ones; skips `start` (resume)."""
     rng = random.Random(seed)
-    if problems is None:
-        gen = (make(rng) for _ in itertools.count())
-    else:
-        def passes():
-            while True:
-                order = list(range(len(problems)))
-                rng.shuffle(order)
-                for i in order:
-                    yield problems[i]
-        gen = passes()
+
+    def passes():
+        while True:
+            order = list(range(len(problems)))
+            rng.shuffle(order)
+            yield from (problems[i] for i in order)
+    gen = (make(rng) for _ in itertools.count()) if problems is None else passes()
     return itertools.islice(gen, start, None)

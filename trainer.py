@@ -82,10 +82,9 @@ class TrainConfig(losses.LossConfig):
         """The settings that default to the device's: bf16 and activation checkpointing on GPU, not on CPU
         (so the CPU tests stay exact in float32)."""
         gpu = str(device).startswith("cuda")
-        return replace(self, precision=(self.precision if self.precision != "auto"
-                                        else "bf16" if gpu else "fp32"),
-                       grad_checkpointing=(self.grad_checkpointing if self.grad_checkpointing != "auto"
-                                           else "on" if gpu else "off"))
+        precision = self.precision if self.precision != "auto" else "bf16" if gpu else "fp32"
+        recompute = self.grad_checkpointing if self.grad_checkpointing != "auto" else "on" if gpu else "off"
+        return replace(self, precision=precision, grad_checkpointing=recompute)
 
 
 def add_gap(gap: dict, mb: dict, trainer_logp: torch.Tensor):
@@ -346,9 +345,8 @@ class Trainer:
         mb = collate(batch, self.device, version)
         mb["fields"] = losses.Fields(mb["fields"], mb["mask"])
         mb["adv"] = torch.tensor(list(advantages) or [0.0], dtype=torch.float32, device=self.device)
-        mb["on_policy"] = torch.tensor([version is not None and bool(s.versions)
-                                       and all(v == version for v in s.versions) for s in batch],
-                                      device=self.device)
+        # a sample wholly of the trainer's version (none: no such version)
+        mb["on_policy"] = torch.tensor([set(s.versions) == {version} for s in batch], device=self.device)
         for name, shape in losses.ADV_SHAPERS.items():
             mb["adv"] = shape(mb, self.cfg.hparams.get(name))
         return mb

@@ -27,7 +27,7 @@ Design notes: DESIGN.md#weight_syncpy
 
 import contextlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -42,17 +42,15 @@ def weight_layout(named, dtype: str | None = None) -> Layout:
 
 def plan_buckets(layout: Layout, bucket_bytes: int) -> list[list[int]]:
     """Indices of `layout` grouped into buckets of one dtype and about bucket_bytes each."""
-    buckets, cur, size, cur_dtype = [], [], 0, None
+    buckets, size = [], 0                       # size: the last bucket's bytes
     for i, (_, shape, dtype) in enumerate(layout):
         nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-        if cur and (size + nbytes > bucket_bytes or dtype != cur_dtype):
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += nbytes
-        cur_dtype = dtype
-    if cur:
-        buckets.append(cur)
+        if buckets and size + nbytes <= bucket_bytes and dtype == layout[buckets[-1][0]][2]:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
     return buckets
 
 
@@ -78,7 +76,7 @@ class GroupSpec:
     receiver: str = ""        # "module:function" of another transport's worker-side receive ("": the group's)
 
     def with_gen(self, gen: int, seq: int = 0) -> "GroupSpec":
-        return GroupSpec(**{**asdict(self), "gen": gen, "seq": seq})
+        return replace(self, gen=gen, seq=seq)
 
 
 # The weight-sync group on NCCL: a wait must raise, not take the process down. Without blocking wait,
@@ -100,8 +98,7 @@ def pin_nccl_env():
     replaces values in place. (Adding or removing a variable moves the environment's entries under another
     thread's getenv, NCCL's or torch's; replacing one swaps a pointer.)"""
     for name, (old, default) in NCCL_ENV_DEFAULTS.items():
-        if name not in os.environ:
-            os.environ[name] = os.environ.get(old, default)
+        os.environ.setdefault(name, os.environ.get(old, default))
 
 
 pin_nccl_env()
@@ -184,9 +181,8 @@ class Sender:
         self.buf = None           # the bucket being sent, bytes (kept: fresh memory costs page faults)
 
     def spec(self, gen: int, num_engines: int, workers_per_engine: int = 1) -> GroupSpec:
-        return GroupSpec(**{**asdict(self.spec0), "gen": gen,
-                            "world_size": 1 + num_engines * workers_per_engine,
-                            "workers_per_engine": workers_per_engine})
+        return replace(self.spec0, gen=gen, world_size=1 + num_engines * workers_per_engine,
+                       workers_per_engine=workers_per_engine)
 
     def send(self, spec: GroupSpec, named, layout: Layout, who: str = "trainer rank 0"):
         """Broadcast `named` ((name, tensor) in layout's order; an iterator is consumed once, bucket by
@@ -215,6 +211,18 @@ class Sender:
             raise
 
 
+def gpus_shared(group: str, members, places: list, cuda: bool, name, where) -> list[str]:
+    """A group's members two of which are on one GPU, which NCCL refuses: an error for each (places[r]: rank
+    r's (node, GPU); name(r), where(r): how to say rank r and where it runs)."""
+    seen, errors = {}, []
+    for r in members:
+        if cuda and places[r] in seen:
+            errors.append(f"{group} would hold {name(seen[places[r]])} and {name(r)}, both on {where(r)}: "
+                          f"NCCL refuses two ranks of one GPU")
+        seen.setdefault(places[r], r)
+    return errors
+
+
 class GroupTransport:
     """--weight-transport group, the default: trainer rank 0 broadcasts every bucket into every engine's
     workers over one process group. A transport of another kind is a class like this one in TRANSPORTS."""
@@ -224,13 +232,8 @@ class GroupTransport:
         """What this layout breaks for it, before any group forms: the weight-sync group holds trainer rank
         0 and every engine, and NCCL refuses two ranks of one GPU. places[r]: rank r's (node, GPU);
         name(r), where(r): how to say rank r and where it runs."""
-        seen, errors = {}, []
-        for r in [0, *range(train, len(places))]:
-            if cuda and places[r] in seen:
-                errors.append(f"the weight-sync group would hold {name(seen[places[r]])} and {name(r)}, both "
-                              f"on {where(r)}: NCCL refuses two ranks of one GPU")
-            seen.setdefault(places[r], r)
-        return errors
+        members = [0, *range(train, len(places))]
+        return gpus_shared("the weight-sync group", members, places, cuda, name, where)
 
     def sender(self, rank: int, backend: str, **where):
         """Trainer rank `rank`'s sender (where: Sender's host, port, store, prefix, device, timeout_s,
@@ -277,14 +280,13 @@ class WeightSyncWorker:
                 raise RuntimeError(f"{who}: joining the weight-sync group at {spec.host}:{spec.port} "
                                    f"failed: {e}") from None
             self._sync_gen = (spec.host, spec.port, spec.prefix, spec.gen)
-        device = self.model_runner.device
-        count, wait = [0], [0.0]
-
+        wait = [0.0]              # seconds waiting for the buckets
         plan = plan_buckets(layout, spec.bucket_bytes)
         sizes = [[torch.Size(layout[i][1]).numel() for i in idx] for idx in plan]    # elements per tensor
 
         def post(b: int):         # start receiving bucket b (gloo/NCCL run it on their own thread/stream)
-            flat = torch.empty(sum(sizes[b]), dtype=getattr(torch, layout[plan[b][0]][2]), device=device)
+            flat = torch.empty(sum(sizes[b]), dtype=getattr(torch, layout[plan[b][0]][2]),
+                               device=self.model_runner.device)
             return flat, self._sync_pg.broadcast(flat, 0)
 
         def tensors():            # bucket b + 1 arrives while reload_weights loads bucket b
@@ -302,11 +304,10 @@ class WeightSyncWorker:
                 wait[0] += time.monotonic() - t
                 pending = post(b + 1) if b + 1 < len(plan) else None
                 for i, chunk in zip(idx, torch.split(flat, sizes[b])):
-                    count[0] += 1
                     yield layout[i][0], chunk.view(layout[i][1])
 
-        self.load(tensors(), load)
-        return {"tensors": count[0], "wait_s": wait[0], "total_s": time.monotonic() - t0}
+        self.load(tensors(), load)            # (every tensor: load drains what its loader leaves)
+        return {"tensors": len(layout), "wait_s": wait[0], "total_s": time.monotonic() - t0}
 
     def load(self, stream, load: tuple | None = None):
         """Every (name, tensor) of `stream` into the model with vLLM's own reload (or load's function, given

@@ -21,11 +21,27 @@ Without this extension an engine failure ends the rank, and a failed broadcast t
 """
 
 import asyncio
+import contextlib
 
 from buffer import Ack, Phase
 from config import Extension, extension
 from buffer import now
-from proxy import EngineError
+from proxy import EngineError, Status
+
+
+def replace_engine(proxy, engine):
+    """After an engine failure: the proxy carries on with a new backend. The old one is shut down and its
+    requests are gone (the proxy forgets their engine ids and the failure its watchdog reported); version
+    and counters are kept. The proxy is left suspended, as suspend() leaves it: the caller loads the current
+    weights (update_weights), then resume()s."""
+    old, proxy.engine = proxy.engine, engine
+    with contextlib.suppress(Exception):         # it is dead already; shutting it down is best effort
+        old.shutdown()
+    proxy._failure = None
+    proxy._engine_ids.clear()
+    proxy._resumed.clear()
+    proxy.status = Status.SUSPENDED
+    proxy._account()
 
 
 class EngineRecovery:
@@ -80,7 +96,7 @@ class EngineRecovery:
             self.lost, self.failure = [], None
             await mgr._flush()
             print(f"{failure}; starting a new engine", flush=True)    # (it names the rank and the why)
-            mgr.proxy.replace_engine(await self.restart_engine())
+            replace_engine(mgr.proxy, await self.restart_engine())
         finally:
             self.busy = False
         self.min_gen = self.gen_seen + 1        # its workers may only join a group formed after this
@@ -100,7 +116,7 @@ class SyncRecovery:
     @staticmethod
     def take_replaced(ctrl) -> int:
         """Drop the REPLACED acks received so far; returns how many there were."""
-        ctrl.acks += ctrl.buffer.get_acks_nowait()
+        ctrl.acks += ctrl.buffer.transport.get_many_nowait("acks", ctrl.buffer.MAX_BATCH)
         n = sum(a.phase == Phase.REPLACED for a in ctrl.acks)
         ctrl.acks = [a for a in ctrl.acks if a.phase != Phase.REPLACED]
         return n
@@ -131,7 +147,7 @@ class SyncRecovery:
         version again over a new group, probed when the last sync was. Its acks are awaited here; the sync in
         flight, if any, is finished first, and the next report carries the resync's probe."""
         from runlog import probe_diff
-        ctrl.acks += ctrl.buffer.get_acks_nowait()
+        ctrl.acks += ctrl.buffer.transport.get_many_nowait("acks", ctrl.buffer.MAX_BATCH)
         if ctrl.send_fn is None or not any(a.phase == Phase.REPLACED for a in ctrl.acks):
             return
         if ctrl.in_flight is not None:

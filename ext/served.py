@@ -125,9 +125,12 @@ async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_
     from proxy import LLMProxy
     who, rc = f"{name} rank {index}", cfg.rollout
     if device == "cpu":
-        # its engine shares a host core with a trainer (ranks.init_distributed), and vLLM's worker spins on it
-        # between requests: the lowest priority (inherited by the engine's processes) leaves the core to
-        # training; the served model's latency costs no generation (a sample waiting for it frees its slot)
+        # its engine runs on the last of the host cores, which ranks.init_distributed leaves this rank, not on
+        # a rollout engine's core: two vLLM engines on one core starve each other, each worker spinning
+        # between requests (measured: DESIGN.md, "A model in the loop"). It shares that core with a trainer,
+        # so the lowest priority (inherited by the engine's processes) leaves the core to training; the
+        # served model's latency costs no generation (a sample waiting for it frees its slot)
+        engine_core = str(max(os.sched_getaffinity(0)))
         os.nice(NICE)
     proxy = await LLMProxy.start_vllm(model_dir, rank=index, timeout_s=cfg.controller.timeout_s,
                                       startup_timeout_s=cfg.controller.startup_timeout_s,
@@ -149,11 +152,11 @@ async def serve(cfg, model_dir: str, name: str, index: int, device: str, engine_
             answers[rank].append((rid, out))     # (after the await: the list to send may be a new one now)
         wait = POLL_S[0]
         while True:
-            for rank, out in enumerate(answers):          # each tick: every answer so far, a list a rank
-                if out:
-                    answers[rank] = []
-                    await asyncio.to_thread(replies[rank].put_many, out)
             try:
+                for rank, out in enumerate(answers):      # each tick: every answer so far, a list a rank
+                    if out:
+                        answers[rank] = []
+                        await asyncio.to_thread(replies[rank].put_many, out)
                 got = await asyncio.to_thread(requests.get_many, 1024)
             except (EOFError, ConnectionError):      # the queue server is gone: trainer rank 0's run ended
                 break                                # (a crash there is named at the final barrier)
@@ -208,15 +211,14 @@ LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_len
 
 def served_context(model_dir: str) -> int:
     """The context (tokens) a served rank's engine gets for model_dir (serve() leaves vLLM's default), as
-    vLLM derives it from config.json: model_max_length, else the least of LENGTH_KEYS, times the factor of a
-    RoPE scaling that stretches positions (linear, dynamic). Read at start-up, before any engine exists."""
+    vLLM derives it from config.json: model_max_length, else the least of LENGTH_KEYS (none: 2048), times the
+    factor of a RoPE scaling that stretches positions (linear, dynamic). Read at start-up, before any engine
+    exists."""
     import json
     from pathlib import Path
     c = json.loads((Path(model_dir) / "config.json").read_text())
     c = c.get("text_config") or c
-    n = c.get("model_max_length") or min((c[k] for k in LENGTH_KEYS if c.get(k)), default=None)
-    if n is None:
-        raise ValueError(f"{model_dir}/config.json: no context length ({', '.join(LENGTH_KEYS)})")
+    n = c.get("model_max_length") or min((c[k] for k in LENGTH_KEYS if c.get(k)), default=2048)
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type")) in ("linear", "dynamic"):
         n *= rope.get("factor") or 1
@@ -231,7 +233,7 @@ def drawn_problems(cfg, n: int = 1000) -> tuple[list, str]:
     from config import EXTENSIONS, Extension, Extensions
     hooks = ("problem_maker", "problem_source")          # (only the extensions that shape the problems)
     exts = [c(cfg, cfg.ext.get(name)) for name, c in EXTENSIONS.items() if c.wanted(cfg.ext.get(name))
-            and any(getattr(c, h) is not getattr(Extension, h) for h in hooks)]
+            and any(getattr(c, h, None) is not getattr(Extension, h, None) for h in hooks)]
     problems, make, _ = cfg.data.sources(cfg.train.seed, Extensions(sorted(exts, key=lambda e: e.order)))
     if problems is not None:
         return problems, (f"--data {cfg.data.data} ({len(problems)} rows)" if cfg.data.data

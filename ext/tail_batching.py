@@ -104,8 +104,11 @@ class TailBatching(Admission):
         go to the long queue, a long round's are dropped."""
         ready = {g[0].group_id for g in ctrl.assembler.ready}
         overdue = self.overdue(ctrl.version, [g for g in ctrl.problem_of if g not in ready])
-        for gid, problem in zip(overdue, await ctrl.give_up(overdue)):
-            self.give_up(gid, problem)
+        for gid in overdue:                   # given up on (deferred); then their work is aborted
+            ctrl.assembler.defer(gid, ctrl.version)
+            self.give_up(gid, ctrl.problem_of.pop(gid, None))
+        if overdue:
+            await ctrl.abort_groups(overdue)
         return {"round": str(self.round), "prompts_deferred": self.deferred - self.before[0],
                 "long_queue": len(self.long_queue), "groups_long_trained": self.long_taken,
                 "prompts_long_dropped": self.long_dropped - self.before[1]}

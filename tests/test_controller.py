@@ -50,7 +50,7 @@ def test_no_replication_puts_one_task_per_prompt():
     async def main():
         c = controller(replicate=False)
         n = await c.admit()
-        tasks = [t for t in c.buffer.get_tasks_nowait(c.buffer.num_queued_tasks())]
+        tasks = [t for t in c.buffer.transport.get_many_nowait("tasks", c.buffer.num_queued_tasks())]
         assert len(tasks) == n and all(t.num_samples == 2 for t in tasks)
     asyncio.run(main())
 

@@ -74,7 +74,8 @@ def test_the_budget_names_an_extra_root_file_a_long_train_py_and_an_extension_fl
         return d
     extra = copy("extra")
     (extra / "extra.py").write_text("X = 1\n")
-    assert any("17 root .py files, over its budget of 16" in e and "extra.py" in e for e in budget_errors(extra))
+    errors = budget_errors(extra)
+    assert any("17 root .py files, over its budget of 16" in e and "extra.py" in e for e in errors), errors
     long = copy("long")
     (long / "train.py").write_text((long / "train.py").read_text() + "\n" * 300)
     assert any(e.startswith("train.py has ") and "over its budget of 300" in e for e in budget_errors(long))

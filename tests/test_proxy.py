@@ -1,6 +1,7 @@
 """LLMProxy semantics on the timed fake engine, in fast-forwarded virtual time (looptime)."""
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -17,28 +18,38 @@ def make_proxy(**engine_kwargs) -> LLMProxy:
 WEIGHTS = [("w", torch.zeros(4))]
 
 
+def engine_interface() -> dict[str, tuple[bool, list[str]]]:
+    """proxy.Engine's methods as its docstring lists them: name -> (async, its parameters' names)."""
+    from proxy import Engine
+    found = re.findall(r"^ +(async )?def (\w+)\(([^)]*)\)", Engine.__doc__, re.M)
+    return {name: (bool(a), [p.split("=")[0].strip() for p in params.split(",")])
+            for a, name, params in found}
+
+
+def check_engine_interface(cls):
+    """cls has every method of proxy.Engine, async where the interface's is, taking the interface's parameters
+    by the same names (the proxy calls some by keyword); its stream is an async generator."""
+    import inspect
+    interface = engine_interface()
+    assert len(interface) == 10 and interface["stream"] == (False, ["self", "request_id", "prompt_token_ids",
+                                                                    "sampling", "cache_salt"])
+    for meth, (is_async, want) in interface.items():
+        impl = getattr(cls, meth, None)
+        assert impl is not None, f"{cls.__name__} lacks {meth}"
+        assert list(inspect.signature(impl).parameters)[:len(want)] == want, (cls.__name__, meth)
+        if meth == "stream":
+            assert inspect.isasyncgenfunction(impl), f"{cls.__name__}.stream is not an async generator"
+        else:
+            assert inspect.iscoroutinefunction(impl) == is_async, (cls.__name__, meth)
+
+
 @pytest.mark.parametrize("backend", ["vllm_engine:VLLMEngine", "tools.fake_engine:FakeTimedEngine"])
 def test_every_backend_implements_the_engine_interface(backend):
-    """proxy.Engine, written down: each backend has every method, async where the interface's is, taking
-    the interface's parameters by the same names (the proxy calls some by keyword); its stream is an async
-    generator."""
+    """proxy.Engine, written down: each backend has every method its docstring lists
+    (check_engine_interface)."""
     import importlib
-    import inspect
-
-    from proxy import Engine
     module, name = backend.split(":")
-    cls = getattr(importlib.import_module(module), name)
-    for meth, proto in inspect.getmembers(Engine, inspect.isfunction):
-        if meth.startswith("_"):
-            continue
-        impl = getattr(cls, meth, None)
-        assert impl is not None, f"{name} lacks {meth}"
-        want = list(inspect.signature(proto).parameters)
-        assert list(inspect.signature(impl).parameters)[:len(want)] == want, (name, meth)
-        if meth == "stream":
-            assert inspect.isasyncgenfunction(impl), f"{name}.stream is not an async generator"
-        else:
-            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(proto), (name, meth)
+    check_engine_interface(getattr(importlib.import_module(module), name))
 
 
 def test_generate_returns_tokens_logprobs_versions():
@@ -140,7 +151,7 @@ def test_weight_update_under_running_requests(mode):
             assert 8 <= n_old <= 9
             # the fake engine marks which weights produced a token: -1 before any load, -1/2 after one
             assert c.logprobs[:n_old] == [-1.0] * n_old and set(c.logprobs[n_old:]) == {-0.5}
-            assert c.oldest_version == 0
+            assert min(c.versions) == 0
             assert c.num_resubmits == (1 if mode == "abort" else 0)
         return p.stats()
     s = run_virtual(main())

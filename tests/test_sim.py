@@ -187,8 +187,8 @@ def test_every_admitted_group_ends_in_a_state_the_controller_learns_of(replicate
         work = ({t.group_id for m in managers for t, _ in m.jobs.values()}
                 | {t.group_id for m in managers for t in m.held}
                 | {s.group_id for m in managers for s in m.outbox}
-                | {t.group_id for t in ctrl.buffer.transport.queues["tasks"]._queue}
-                | {s.group_id for s in ctrl.buffer.transport.queues["samples"]._queue}
+                | {t.group_id for t in ctrl.buffer.transport.queues["tasks"].items}
+                | {s.group_id for s in ctrl.buffer.transport.queues["samples"].items}
                 | set(ctrl.assembler.pending)
                 | {g[0].group_id for g in ctrl.assembler.ready})
         leaked.append(len(set(ctrl.problem_of) - work))

@@ -66,4 +66,4 @@ def test_response_len_budget_is_the_prompts_own_lognormal_draw():
     lens = [make(random.Random(i)).target_len for i in range(2000)]
     assert 7 <= statistics.median(lens) <= 9 and max(lens) > 60 and min(lens) >= 1
     assert all(p.target_len == 0 for p in held_out)          # evaluation answers as it likes
-    assert task.DataConfig().sources(0)[1](random.Random(0)).target_len == 0
+    assert task.DataConfig().sources(0, Extensions())[1](random.Random(0)).target_len == 0

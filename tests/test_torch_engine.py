@@ -2,7 +2,6 @@
 trainer's logprobs (same float32 weights: within float32's rounding, LOGP_TOL), and without vLLM."""
 
 import asyncio
-import inspect
 import subprocess
 import sys
 
@@ -14,7 +13,8 @@ import torch
 from buffer import Sample
 from ext.torch_engine import TorchEngine
 from model import token_logprobs
-from proxy import Engine, EngineError, LLMProxy, Sampling
+from proxy import EngineError, LLMProxy, Sampling
+from test_proxy import check_engine_interface
 from trainer import TrainConfig, Trainer, collate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,19 +62,9 @@ def perturb(tr: Trainer, seed: int, scale: float = 0.05):
 def test_torch_engine_implements_the_engine_interface(tiny_model_dir):
     """As test_proxy.py's check of every backend: each method of proxy.Engine, async where the interface's
     is, with its parameters' names; stream an async generator."""
-    for meth, proto in inspect.getmembers(Engine, inspect.isfunction):
-        if meth.startswith("_"):
-            continue
-        impl = getattr(TorchEngine, meth, None)
-        assert impl is not None, meth
-        want = list(inspect.signature(proto).parameters)
-        assert list(inspect.signature(impl).parameters)[:len(want)] == want, meth
-        if meth == "stream":
-            assert inspect.isasyncgenfunction(impl)
-        else:
-            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(proto), meth
+    check_engine_interface(TorchEngine)
     engine = TorchEngine.from_dir(tiny_model_dir)
-    assert isinstance(engine, Engine) and engine.dead is False and engine.eos_ids == {EOS}
+    assert engine.dead is False and engine.eos_ids == {EOS}
 
 
 def test_concurrent_requests_share_batched_steps(tiny_model_dir, hf):
