@@ -165,9 +165,10 @@ class PromptFormat:
         self._decode = getattr(tokenizer, "_decode", tokenizer.decode)
         self._first: dict[str, list[int]] = {}    # prompt text -> its tokens (first())
         self.eos_ids = model_eos_ids(tokenizer) if eos_ids is None else set(eos_ids)
-        # a tokenizer with an unknown token (the tiny model's character vocabulary) turns a character it has
-        # no token for into that token without a word: checked (known()) wherever env text is encoded
+        # a character the tokenizer has no token for becomes its unknown token, or nothing, without a word:
+        # checked (known()) wherever env text is encoded
         self.unk = getattr(tokenizer, "unk_token_id", None)
+        self.readable: set[str] = set()           # characters known() found the tokenizer reads
         self.chat = use_template and bool(getattr(tokenizer, "chat_template", None))
         if self.chat:
             x, y, o = "\x01X\x01", "\x01Y\x01", "\x01O\x01"
@@ -196,12 +197,17 @@ class PromptFormat:
         return list(ids)
 
     def known(self, text: str, ids: list[int]) -> list[int]:
-        """ids, the tokens of text; a ValueError naming the characters the tokenizer has no token for."""
-        if self.unk is None or self.unk not in ids or self.tok.unk_token in text:
-            return ids
-        missing = sorted({c for c in text if self.unk in self.tok.encode(c, add_special_tokens=False)})
-        raise ValueError(f"the tokenizer has no token for {''.join(missing)!r} (it would read as "
-                         f"{self.tok.unk_token!r}) in {text[:80]!r}")
+        """ids, the tokens of text; a ValueError naming the characters the tokenizer has no token for: it
+        reads them as its unknown token, or drops them without a word (a byte-level tokenizer over a
+        vocabulary without them: the embedded model's, loaded from its dir). Each character is tried once."""
+        def unreadable(c):       # (a lone whitespace character may encode to nothing where it is normalised)
+            t = self.tok.encode(c, add_special_tokens=False)
+            return (self.unk is not None and self.unk in t) or (not t and not c.isspace())
+        if missing := sorted(c for c in set(text) - self.readable if unreadable(c)):
+            raise ValueError(f"the tokenizer has no token for {''.join(missing)!r} (it would read as "
+                             f"{self.tok.unk_token!r} or nothing) in {text[:80]!r}")
+        self.readable.update(text)
+        return ids
 
     def next(self, text: str, last_token: int | None) -> list[int]:
         """The tokens after the model's turn, whose last token was last_token (None: none, or a

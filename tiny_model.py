@@ -213,14 +213,13 @@ def ensure_tiny_model(out_dir: str | Path = DEFAULT_DIR, cfg: TinyConfig | None 
     cfg = cfg or TinyConfig()
     out_dir = Path(out_dir)
     if not force and _built(out_dir, cfg):
-        template = out_dir / "chat_template.jinja"
-        if not template.exists() or template.read_text() != CHAT_TEMPLATE:   # add or update it (atomically)
-            template.with_suffix(".tmp").write_text(CHAT_TEMPLATE)
-            os.replace(template.with_suffix(".tmp"), template)
-        tokenizer = build_tokenizer()        # and the tokenizer, which is not part of the hash either
+        # the tokenizer and its chat template are not part of the hash: a cached build gets today's, each file
+        # replaced whole, from a dir of this process's own
+        tokenizer, template = build_tokenizer(), out_dir / "chat_template.jinja"
         saved = json.loads((out_dir / "tokenizer.json").read_text())
-        if saved != json.loads(tokenizer.backend_tokenizer.to_str()):
-            tmp = out_dir.with_name(f"{out_dir.name}.tokenizer.{os.getpid()}.tmp")   # (one per process)
+        if not template.exists() or template.read_text() != CHAT_TEMPLATE or saved != json.loads(
+                tokenizer.backend_tokenizer.to_str()):
+            tmp = out_dir.with_name(f"{out_dir.name}.tokenizer.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenizer.save_pretrained(tmp)
             for f in tmp.iterdir():

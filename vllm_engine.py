@@ -12,6 +12,7 @@ what follows a receive (after_receive): ext/lora.py's adapter. Design notes: DES
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import os
@@ -116,10 +117,8 @@ class VLLMEngine:
             try:
                 engine = cls.start(model_dir, **kwargs)
             except BaseException as e:
-                try:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):   # abandoned: nobody to tell
                     done.set_exception(e)
-                except concurrent.futures.InvalidStateError:   # abandoned: nobody to tell
-                    pass
                 return
             try:
                 done.set_result(engine)

@@ -207,6 +207,26 @@ def test_a_prompt_with_a_character_the_tokenizer_lacks_is_refused_naming_it():
     assert s is None and "env 'accented': the tokenizer has no token for 'é'" in failed[0].meta["error"]
 
 
+def test_a_character_the_tokenizer_loaded_from_the_model_dir_drops_is_refused_naming_it(tmp_path):
+    """As transformers loads it from the model dir (Qwen2Tokenizer, byte-level), the embedded tokenizer drops
+    a character it has no token for without a word ("You" reads as "ou"): PromptFormat names it all the
+    same, once per character, and lets the characters it reads through."""
+    from transformers import AutoTokenizer
+
+    from rollout import PromptFormat
+    from tiny_model import TinyConfig, build_tokenizer, hf_config
+    build_tokenizer().save_pretrained(tmp_path)
+    hf_config(TinyConfig()).save_pretrained(tmp_path)           # (a qwen2 dir: loaded as Qwen2Tokenizer)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.encode("You") == tok.encode("ou")                 # (what makes the check necessary)
+    fmt = PromptFormat(tok)
+    with pytest.raises(ValueError, match="no token for 'Y'"):
+        fmt.first("You")
+    with pytest.raises(ValueError, match="no token for 'Y'"):
+        fmt.next("You 2", None)
+    assert fmt.first("12+3=") == tok.encode("12+3=") and fmt.next("ou 2", None) == tok.encode("ou 2")
+
+
 def test_heartbeat_while_a_step_collects():
     async def main():
         c, logged = controller(heartbeat_s=0.2, timeout_s=0.9)
