@@ -585,8 +585,7 @@ class GroupAssembler:
 
     def _lose(self, group_id: str, why: Lost, version: int, samples: list[Sample] | None = None):
         """Give up on a group: its samples held (pending, or `samples`) are counted under `why`."""
-        held = self.pending.pop(group_id, []) if samples is None else samples
-        self._count(why, len(held), groups=1)
+        self._count(why, len(self.pending.pop(group_id, []) if samples is None else samples), groups=1)
         self.lost[group_id] = why
         self._resolve(group_id, version)
 
@@ -655,12 +654,14 @@ class GroupAssembler:
                 self.lost.pop(gid, None)
         return dropped
 
-    def take(self, num_groups: int, version: int) -> list[list[Sample]]:
-        """Up to num_groups complete, fresh groups, in the assembler's order."""
+    def take(self, num_groups: int, version: int, policy=None) -> list[list[Sample]]:
+        """Up to num_groups complete, fresh groups, in the assembler's order; policy (controller.Admission):
+        its eligible(ready) says which may be taken, in which order (a per-domain quota), default all."""
         self.evict_stale(version)
         if self.order == "freshest":     # stable: equally fresh groups stay in completion order
             self.ready.sort(key=lambda g: -min(s.oldest_version for s in g))
-        out, self.ready = self.ready[:num_groups], self.ready[num_groups:]
+        out = (policy.eligible(self.ready) if policy else self.ready)[:num_groups]
+        self.ready = [g for g in self.ready if all(g is not o for o in out)]
         return out
 
     def num_ready(self) -> int:

@@ -142,6 +142,11 @@ class Admission:
         it runs (the first G make it)."""
         return self.cfg.group_size + (self.cfg.env_redundancy if self.cfg.env else 0)
 
+    def eligible(self, ready: list[list]) -> list[list]:
+        """The ready groups (GroupAssembler.ready, in its order) this step may still take, in the order to
+        take them (a per-domain quota: ext/domains.py); default: all of them."""
+        return ready
+
     def taken(self, gid: str):
         """The group joins the batch being collected."""
 
@@ -294,14 +299,14 @@ class AsyncController:
         while True:
             if stream:
                 self._commit(committed, on_group)
-            n_ready = len(committed) + self.assembler.num_ready()
+            n_ready = len(committed) + len(self.admission.eligible(self.assembler.ready))
             if n_ready >= cfg.batch_groups and (cfg.rollout_mode == "queue" or self._all_admitted_done()):
                 break                                      # B complete, fresh groups (batch mode: all in)
             s = await self._next_sample(n_ready)           # (None: a second passed without one)
             if s is None:
                 continue
             await self._add(s)                             # into its group; a lost group's work stops
-            n_ready = len(committed) + self.assembler.num_ready()
+            n_ready = len(committed) + len(self.admission.eligible(self.assembler.ready))
             if n_ready < cfg.batch_groups and self._filtering_spins(n_ready):
                 break                                      # --on-max-gen-batches train: what it has
             # lost groups free admission capacity: queue mode refills at once; batch mode only starts
@@ -447,7 +452,7 @@ class AsyncController:
 
     def _commit(self, committed: list, on_group):
         """Hand the ready groups to the trainer (on_group), up to the batch."""
-        for g in self.assembler.take(self.cfg.batch_groups - len(committed), self.version):
+        for g in self.assembler.take(self.cfg.batch_groups - len(committed), self.version, self.admission):
             committed.append(g)
             self.groups_taken += 1
             self.admission.taken(g[0].group_id)

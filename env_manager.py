@@ -440,11 +440,11 @@ class EnvManager:
             await asyncio.sleep(min(BACKOFF_S[0] * 2 ** min(self.fail_streak - 1, 16), BACKOFF_S[1]))
 
     def _make_env(self, task: RolloutTask):
-        if task.env not in ENVS:
-            raise ValueError(f"rollout rank {self.rank}: task {task.task_id} asks for env {task.env!r}; "
+        if (name := task.env or task.problem.env) not in ENVS:      # (the task's, else its problem's)
+            raise ValueError(f"rollout rank {self.rank}: task {task.task_id} asks for env {name!r}; "
                              f"known: {sorted(ENVS)}")
         held_out = task.eval_temperature is not None
-        env = ENVS[task.env](task.problem, env_seed(task.group_id),
+        env = ENVS[name](task.problem, env_seed(task.group_id),
                              reward_fn=self.eval_reward_fn if held_out else self.reward_fn)
         return self.env_wrappers(env) if self.env_wrappers else env
 

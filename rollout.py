@@ -341,7 +341,7 @@ async def rollout_once(proxy, env, fmt: PromptFormat, cfg: RolloutConfig, task: 
     """reset -> (generate -> step)* -> Sample, filling `traj` as it goes (tag: the attempt's, in its request
     ids; meta: the Sample's). Raises EnvFailure when an env call raises or outlives `deadline`, Aborted when
     someone else aborted the engine request."""
-    where = f"rollout rank {proxy.rank}: env {task.env or 'single-turn'!r}"
+    where = f"rollout rank {proxy.rank}: env {task.env or task.problem.env or 'single-turn'!r}"
 
     async def env_call(coro, phase: str):   # any env failure, timeouts included, becomes EnvFailure
         kind = phase.split()[0]                      # "reset" or "step"

@@ -32,6 +32,7 @@ class Problem:
     answer: str             # reference answer the verifier checks against
     kind: str = "add"       # its verifier (VERIFIERS): "add" (the default task), "math" (--data), "rg:NAME"
     target_len: int = 0     # >0: benchmark mode, generate exactly this many tokens
+    env: str = ""           # the env it runs in (rollout.ENVS), if not its task's: ext/domains.py's domains
     meta: dict = field(default_factory=dict)   # a verifier's extra input (reasoning-gym: the entry)
 
 

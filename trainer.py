@@ -381,8 +381,7 @@ class Trainer:
         """Full (unsharded) weights under their HF names, on CPU. Collective under FSDP. rank0_only
         (checkpoints, which rank 0 writes): the other ranks take part in every gather but keep nothing and
         get [] (a full copy in each rank's host memory: ~30 GB of float32 at 7B)."""
-        keep = not rank0_only or self.rank == 0
-        return [(n, t.to("cpu")) for n, t in self.iter_full_state() if keep]
+        return [(n, t.to("cpu")) for n, t in self.iter_full_state() if not rank0_only or self.rank == 0]
 
     # --- checkpoints
     def save_checkpoint(self, out_dir: str, state: dict, tokenizer_dir: str):

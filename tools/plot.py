@@ -7,6 +7,9 @@ metrics.png, one panel per question, per step: is it learning (reward, and any e
 where does a step's time go (waiting for rollout / training / weight sync / the rest)? how stale
 are the samples it trains on (against the async ratio)?
 
+domains.png, a run with --domains (ext/domains.py): a panel per domain, per step its trained share against
+its weight, its reward, its held-out greedy reward; the title its staleness and seconds per trajectory.
+
 timeline.png, the asynchronous pipeline in wall-clock time (seconds from the first step shown):
 - "trainer": each step's collect (waiting for a batch), train, waiting for the previous sync's acks,
   and the weight broadcast;
@@ -295,6 +298,48 @@ def plot_metrics(rows: list[dict], path: Path, async_ratio: int | None) -> list[
     return [a1.get_title(), a2.get_title(), a3.get_title()]
 
 
+def domain_names(rows: list[dict]) -> list[str]:
+    """The domains of a --domains run (ext/domains.py), in the file's order: its rows' domain/NAME/share
+    keys."""
+    first = rows[0] if rows else {}
+    return [k.split("/")[1] for k in first if k.startswith("domain/") and k.endswith("/share")]
+
+
+def plot_domains(rows: list[dict], path: Path) -> list[str]:
+    """domains.png, a panel per domain of a --domains run: per step its trained share against its weight, its
+    trained samples' reward and, with --eval-every, its held-out greedy reward."""
+    import matplotlib.pyplot as plt
+    names = domain_names(rows)
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 2.6 * len(names) + 0.6), sharex=True, squeeze=False)
+
+    def series(key):
+        return [float("nan") if r.get(key) is None else r[key] for r in rows]
+
+    def mean(key):
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+    for name, ax in zip(names, axes[:, 0]):
+        k = f"domain/{name}/"
+        ax.plot(steps, series(k + "share"), "-", color="tab:blue", label="trained share")
+        ax.plot(steps, series(k + "weight"), ":", color="k", label="weight")
+        ax.plot(steps, series(k + "reward_mean"), ".-", color="tab:green", alpha=0.6,
+                label="reward (trained)")
+        evals = [(r["step"], r[k + "eval_greedy"]) for r in rows if r.get(k + "eval_greedy") is not None]
+        if evals:
+            ax.plot(*zip(*evals), "o-", color="tab:red", label="held-out greedy")
+        ax.set_title(f"{name}: weight {mean(k + 'weight'):.2f}, trained share {mean(k + 'share'):.3f}, "
+                     f"staleness {mean(k + 'staleness_mean'):.2f}, {mean(k + 'time_mean'):.2f}s a trajectory",
+                     fontsize=9)
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [ax.get_title() for ax in axes[:, 0]]
+
+
 def plot_run(cfg: PlotConfig) -> dict[str, list[str]]:
     """Write the PNGs; returns {path: its panels' titles}."""
     import matplotlib
@@ -304,6 +349,8 @@ def plot_run(cfg: PlotConfig) -> dict[str, list[str]]:
     rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
     start = next((e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["ev"] == "start"), {})
     written = {str(out / "metrics.png"): plot_metrics(rows, out / "metrics.png", start.get("async_ratio"))}
+    if domain_names(rows):                                       # (a --domains run: a panel per domain)
+        written[str(out / "domains.png")] = plot_domains(rows, out / "domains.png")
     if (Path(cfg.run_dir) / "events.jsonl").exists():
         tl = Timeline(cfg.run_dir, cfg.from_step, cfg.to_step)
         written[str(out / "timeline.png")] = plot_timeline([tl], out / "timeline.png")

@@ -459,9 +459,12 @@ class SimStream:
         return {"tokens": self.tokens}, None
 
 
-async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> dict:
+async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None, workload=None,
+                    finisher=None) -> dict:
     """One run; problems: the prompt stream (default sim_problems); setup(ctrl): called once the
-    controller is built, observe(ctrl, step) after each step (tests)."""
+    controller is built, observe(ctrl, step) after each step (tests); workload: the prompts' pass rates and
+    lengths (default Workload(cfg); tools/domains_study.py: one per domain); finisher: every rank's sample
+    finisher (EnvManager's)."""
     loop = asyncio.get_running_loop()
     R = cfg.rollout_gpus
     T = R if cfg.colocated else cfg.train_gpus
@@ -473,7 +476,7 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
     if setup is not None:
         setup(ctrl)
     turn_cap = max(1, cfg.max_tokens // cfg.chunk)
-    workload = Workload(cfg)
+    workload = workload or Workload(cfg)
     rcfg = sub_config(RolloutConfig, cfg, max_tokens=turn_cap, env_step_timeout_s=cfg.timeout_s,
                       max_turns=cfg.turns,
                       max_model_len=2 + -(-cfg.prompt_cap // cfg.chunk) + cfg.turns * (turn_cap + 1),
@@ -497,7 +500,7 @@ async def _simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> 
 
         proxies.append(proxy)
         managers.append(EnvManager(proxy, buffer, Tok(), r, rcfg,
-                                   sync_timeout_s=cfg.timeout_s, env_wrappers=wrap,
+                                   sync_timeout_s=cfg.timeout_s, env_wrappers=wrap, finisher=finisher,
                                    deadline=EnvDeadline.of(rcfg, DeadlineConfig(),
                                                            VerifierConfig().reward_timeout_s)))
 
@@ -574,7 +577,7 @@ def summarize(cfg: SimConfig, rows: list[dict], R: int) -> dict:
     return out
 
 
-def simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> dict:
+def simulate(cfg: SimConfig, problems=None, observe=None, setup=None, workload=None, finisher=None) -> dict:
     if cfg.colocated and cfg.async_ratio != 0:
         raise ValueError("a colocated run is synchronous: async_ratio must be 0")
     if cfg.colocated and cfg.stream_train:
@@ -589,7 +592,7 @@ def simulate(cfg: SimConfig, problems=None, observe=None, setup=None) -> dict:
                          "(B*G == R*max_concurrency), no filtering, no redundancy, no failures")
     loop = looptime.new_event_loop(noop_cycles=0)   # nothing external happens: advance time at once
     try:
-        return loop.run_until_complete(_simulate(cfg, problems, observe, setup))
+        return loop.run_until_complete(_simulate(cfg, problems, observe, setup, workload, finisher))
     finally:
         loop.close()
 
