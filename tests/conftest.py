@@ -39,6 +39,14 @@ def hf(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """The embedded model's architecture and tokenizer with random weights, built in seconds (the quick tier's
+    model: for tests of the code around a model, not of what it learned)."""
+    import tiny_model
+    return tiny_model.build_random(tmp_path_factory.mktemp("random") / "tiny-random", log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     import tiny_model
     return tiny_model.ensure_tiny_model()

@@ -10,6 +10,8 @@ from buffer import (ORDERS, Cmd, Command, GroupAssembler, LocalQueues, Lost, Man
                     Sample, SampleBuffer, Freshness)
 from task import Problem
 
+pytestmark = pytest.mark.fast
+
 
 def sample(gid: str, versions: list[int], reward: float = 0.0, failed: bool = False, i: int = 0) -> Sample:
     return Sample(f"{gid}.{i}", gid, [1], [2] * len(versions), [-1.0] * len(versions), [1] * len(versions),

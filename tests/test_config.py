@@ -7,6 +7,8 @@ import pytest
 
 from config import leaf_fields, opt, parse_cli, part, registry
 
+pytestmark = pytest.mark.fast
+
 
 @dataclass
 class Inner:

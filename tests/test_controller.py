@@ -12,6 +12,8 @@ from controller import AsyncController, ControllerConfig
 from task import problem_stream
 from task import Problem, make_problem
 
+pytestmark = pytest.mark.fast
+
 
 def controller(version=0, **kw) -> AsyncController:
     cfg = ControllerConfig(**{"batch_groups": 4, "group_size": 2, "redundant": 0, **kw})

@@ -9,6 +9,10 @@ import re
 import tokenize
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [p for d in (ROOT, ROOT / "ext", ROOT / "tools") for p in sorted(d.glob("*.py"))]
 ROOTS = {p.stem for p in ROOT.glob("*.py")}

@@ -27,6 +27,8 @@ from ext.colocate import sleep_engines
 from ext.eval import Evaluation
 from task import Problem
 
+pytestmark = pytest.mark.fast
+
 STEP = 0.1   # fake decode step, virtual seconds
 
 

@@ -12,6 +12,8 @@ from ext.calc import CalcEnv, SandboxLimits, calc_observation, sft_segments
 from ext.faults import FaultConfig, LatencyEnv
 from task import Problem
 
+pytestmark = pytest.mark.fast
+
 FAST = SandboxLimits(cpu_s=1, wall_s=2)
 
 

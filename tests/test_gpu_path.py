@@ -26,6 +26,7 @@ from ranks import cpu_layout, engine_gpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.fast
 def test_each_engine_gets_its_ranks_own_gpu():
     # 8 GPUs, one process each: rollout ranks with LOCAL_RANK 3..7 get GPUs 3..7 (not all GPU 0)
     assert [engine_gpu(r, None, 8) for r in range(3, 8)] == ["3", "4", "5", "6", "7"]
@@ -35,6 +36,7 @@ def test_each_engine_gets_its_ranks_own_gpu():
     assert [engine_gpu(r, "4,5, 6,7", 4) for r in (0, 2, 5)] == ["4", "6", "5"]
 
 
+@pytest.mark.fast
 def test_the_layout_check_refuses_an_nccl_group_with_two_ranks_of_one_gpu():
     """Fake layouts (no GPU needed): torchrun's environment alone says which GPU each rank takes; a
     group NCCL would refuse ("Duplicate GPU detected") is named with its two ranks and their GPU,
@@ -67,6 +69,7 @@ def test_the_layout_check_refuses_an_nccl_group_with_two_ranks_of_one_gpu():
                                  "shared memory needs both on one node") in errors[1]
 
 
+@pytest.mark.fast
 def test_weight_transport_flags(capsys):
     """--weight-transport: group by default, ipc under --colocate (auto); the contradictions named."""
     from config import parse_cli
@@ -84,6 +87,7 @@ def test_weight_transport_flags(capsys):
         assert re.search(message, capsys.readouterr().err), args
 
 
+@pytest.mark.fast
 def test_colocated_engine_share_leaves_the_trainer_its_headroom():
     """--colocate's default --gpu-memory-utilization: free memory at the engine's start less what the
     trainer adds while the engine is awake; too little left is an error naming the flag."""
@@ -99,6 +103,7 @@ def test_colocated_engine_share_leaves_the_trainer_its_headroom():
         colocated_share(80 * GiB, 30 * GiB, headroom, 14 * GiB)
 
 
+@pytest.mark.fast
 def test_cpu_layout_gives_each_engine_a_core_of_its_own():
     """CPU runs: engines take cores from the top, one each; the ranks' own Python shares the rest;
     with no core to spare, everything shares every core."""
@@ -107,6 +112,7 @@ def test_cpu_layout_gives_each_engine_a_core_of_its_own():
     assert cpu_layout([0, 1], 2) == ([0, 1], [0, 1])                 # 2 engines on 2 cores: no core to spare
 
 
+@pytest.mark.fast
 def test_colocated_sleep_then_sync_wakes_loads_and_resumes(tok):
     """--colocate's control flow on the fake engine: after collect, SLEEP ends the work and puts the
     engine to sleep (ack SLEPT); the SYNC that follows the training step wakes it before the load
@@ -187,6 +193,7 @@ def gpu_run(ranks: int, train: int, transport: str = "group"):
     return mark
 
 
+@pytest.mark.fast
 def test_each_gpu_run_is_skipped_unless_there_are_the_gpus_its_layout_needs():
     """The layout check refuses two ranks of one GPU in an NCCL group, so 1 trainer + 1 engine needs 2 GPUs
     (on 1, train.py would refuse it, not test it), FSDP over 2 trainers beside 2 engines 4, and --colocate's

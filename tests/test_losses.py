@@ -14,6 +14,8 @@ import torch
 from config import flag
 from losses import VARIANTS, compute_policy_loss, group_advantages
 
+pytestmark = pytest.mark.fast
+
 AGGS = ("token-mean", "seq-mean-token-mean")
 
 # Defaults restated here (not imported) so that a silent change of a default fails a test.

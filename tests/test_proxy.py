@@ -43,6 +43,7 @@ def check_engine_interface(cls):
             assert inspect.iscoroutinefunction(impl) == is_async, (cls.__name__, meth)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("backend", ["vllm_engine:VLLMEngine", "tools.fake_engine:FakeTimedEngine"])
 def test_every_backend_implements_the_engine_interface(backend):
     """proxy.Engine, written down: each backend has every method its docstring lists
@@ -52,6 +53,7 @@ def test_every_backend_implements_the_engine_interface(backend):
     check_engine_interface(getattr(importlib.import_module(module), name))
 
 
+@pytest.mark.fast
 def test_generate_returns_tokens_logprobs_versions():
     async def main():
         p = make_proxy(length_sampler=lambda rng: 5)
@@ -67,6 +69,7 @@ def test_generate_returns_tokens_logprobs_versions():
     run_virtual(main())
 
 
+@pytest.mark.fast
 def test_continuous_batching_time_model():
     """16 requests of 10 tokens share 10 decode steps of t0 + k*16 seconds each, not 160 steps."""
     async def main():
@@ -77,6 +80,7 @@ def test_continuous_batching_time_model():
     assert run_virtual(main()) == pytest.approx(10 * (1.0 + 0.1 * 16), rel=0.02)
 
 
+@pytest.mark.fast
 def test_kv_budget_preempts_the_newest_sequence_and_recomputes_it():
     """4 KV blocks of 4 tokens, two requests of 1 prompt + 10 tokens (3 blocks each at the end). Both fit
     until their 8th token; then the newer one (b) is preempted, a finishes alone at step 10, and b is
@@ -98,6 +102,7 @@ def test_kv_budget_preempts_the_newest_sequence_and_recomputes_it():
     assert (ta, tb) == (pytest.approx(10.0), pytest.approx(10.0)) and e.num_preemptions == 0
 
 
+@pytest.mark.fast
 def test_step_time_grows_with_context_and_prefill():
     """One request, 10-token prompt, 5 tokens: steps read 10, 11, 12, 13, 14 tokens of KV at 0.1 s each,
     and the first step also prefills the 10 prompt tokens at 0.01 s each."""
@@ -108,6 +113,7 @@ def test_step_time_grows_with_context_and_prefill():
     assert run_virtual(main()) == pytest.approx(5 * (1.0 + 0.5) + 0.1 * (10 + 11 + 12 + 13 + 14) + 0.01 * 10)
 
 
+@pytest.mark.fast
 def test_requests_wait_for_a_seat_when_max_num_seqs_is_reached():
     async def main():
         p = make_proxy(t0=1.0, k=0.0, max_num_seqs=2, length_sampler=lambda rng: 4)
@@ -120,6 +126,7 @@ def test_requests_wait_for_a_seat_when_max_num_seqs_is_reached():
     assert run_virtual(main()) == [pytest.approx(t) for t in (4, 4, 8, 8, 12)]
 
 
+@pytest.mark.fast
 def test_abort_returns_partial_output():
     async def main():
         p = make_proxy(t0=1.0, k=0.0)
@@ -131,6 +138,7 @@ def test_abort_returns_partial_output():
     run_virtual(main())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_weight_update_under_running_requests(mode):
     """16 requests in flight survive suspend -> update -> resume; later tokens carry the new version."""
@@ -174,6 +182,7 @@ class LateOutputs(FakeTimedEngine):
             yield item
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("interval", [1, 16])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_them(mode, interval):
@@ -198,6 +207,7 @@ def test_tokens_delivered_after_a_weight_update_keep_the_version_that_sampled_th
         assert c.versions == [0] * 9 + [1] * 11 and c.num_resubmits == (1 if mode == "abort" else 0)
 
 
+@pytest.mark.fast
 def test_stream_interval_batches_outputs_and_an_abort_delivers_the_rest():
     """As vLLM's stream_interval: the first token at once, then every `interval` tokens, then the end;
     an abort brings the tokens generated and not yet delivered."""
@@ -217,6 +227,7 @@ def test_stream_interval_batches_outputs_and_an_abort_delivers_the_rest():
     run_virtual(main())
 
 
+@pytest.mark.fast
 def test_no_new_work_starts_while_suspended():
     async def main():
         p = make_proxy(t0=1.0, k=0.0, length_sampler=lambda rng: 3)
@@ -231,6 +242,7 @@ def test_no_new_work_starts_while_suspended():
     run_virtual(main())
 
 
+@pytest.mark.fast
 def test_update_weights_requires_suspend():
     async def main():
         p = make_proxy()
@@ -241,6 +253,7 @@ def test_update_weights_requires_suspend():
     run_virtual(main())
 
 
+@pytest.mark.fast
 def test_hung_engine_raises_naming_rank_and_phase():
     async def main():
         p = make_proxy()
@@ -254,6 +267,7 @@ def test_hung_engine_raises_naming_rank_and_phase():
     assert 60.0 <= run_virtual(main()) <= 30 * 1.125 + 30 + 1
 
 
+@pytest.mark.fast
 def test_dead_engine_process_fails_its_requests_at_once():
     """A backend that can tell its process died (VLLMEngine.dead: vLLM's errored flag) fails the
     waiting requests within a second or two, not after timeout_s of silence: vLLM does not always
@@ -269,6 +283,7 @@ def test_dead_engine_process_fails_its_requests_at_once():
     assert run_virtual(main()) <= 2.0             # timeout_s is 30 here
 
 
+@pytest.mark.fast
 def test_engine_call_on_a_dead_engine_fails_at_once():
     """vLLM's utility calls (pause, load) wait forever for a killed engine core's answer: the proxy
     asks the backend whether it is dead every second and fails the call, instead of waiting out
@@ -288,6 +303,7 @@ def test_engine_call_on_a_dead_engine_fails_at_once():
     assert 5.0 <= run_virtual(main()) <= 6.5
 
 
+@pytest.mark.fast
 def test_after_shutdown_calls_fail_clearly():
     async def main():
         p = make_proxy()
@@ -297,6 +313,7 @@ def test_after_shutdown_calls_fail_clearly():
     run_virtual(main())
 
 
+@pytest.mark.fast
 def test_utilisation_counts_busy_time():
     async def main():
         p = make_proxy(t0=1.0, k=0.0, length_sampler=lambda rng: 10)
@@ -308,6 +325,7 @@ def test_utilisation_counts_busy_time():
     assert s["latency_p50_s"] == pytest.approx(10.0, abs=0.1)
 
 
+@pytest.mark.fast
 def test_long_tailed_default_lengths():
     import random
     rng = random.Random(0)
@@ -316,6 +334,7 @@ def test_long_tailed_default_lengths():
     assert lengths[-20] > 5 * lengths[1000]    # a long tail: the top 1% is several times the median
 
 
+@pytest.mark.fast
 def test_sampling_validates():
     with pytest.raises(ValueError, match="max_tokens"):
         Sampling(max_tokens=0)

@@ -128,6 +128,7 @@ def test_reward_pool_stress_every_answer_belongs_to_its_own_call():
     assert after == [100.0 + k for k in range(6)]
 
 
+@pytest.mark.fast
 def test_reward_spec_is_checked():
     assert load_reward("reward_fixtures:slow_or_exact")(Problem("p", "7"), "7") == 1.0
     with pytest.raises(ValueError, match="--reward"):
@@ -148,6 +149,7 @@ def controller(**kw):
     return c, logged
 
 
+@pytest.mark.fast
 def test_prompts_that_cannot_fit_the_context_are_refused_at_admission_and_counted():
     async def main():
         c, logged = controller()
@@ -160,6 +162,7 @@ def test_prompts_that_cannot_fit_the_context_are_refused_at_admission_and_counte
     assert len(logged) == 2 and "refused a prompt of 50 tokens" in logged[0] and "context is 20" in logged[0]
 
 
+@pytest.mark.fast
 def test_a_prompt_with_a_character_the_tokenizer_lacks_is_refused_naming_it():
     """The tiny tokenizer has a token for each character it knows and reads any other as <pad>: a prompt
     with one is refused at admission, logged with the character, and the stream goes on; an env whose
@@ -207,6 +210,7 @@ def test_a_prompt_with_a_character_the_tokenizer_lacks_is_refused_naming_it():
     assert s is None and "env 'accented': the tokenizer has no token for 'é'" in failed[0].meta["error"]
 
 
+@pytest.mark.fast
 def test_a_character_the_tokenizer_loaded_from_the_model_dir_drops_is_refused_naming_it(tmp_path):
     """As transformers loads it from the model dir (Qwen2Tokenizer, byte-level), the embedded tokenizer drops
     a character it has no token for without a word ("You" reads as "ou"): PromptFormat names it all the
@@ -237,6 +241,7 @@ def test_heartbeat_while_a_step_collects():
     assert len(logged) >= 3 and "0/2 groups ready" in logged[0] and "tasks queued" in logged[0]
 
 
+@pytest.mark.fast
 def test_prompts_in_flight_at_a_checkpoint_are_admitted_again_after_resume():
     """A checkpoint keeps the prompts admitted but not trained; a resumed controller admits them
     first (before drawing new ones from the stream at the saved position)."""
@@ -263,6 +268,7 @@ def test_prompts_in_flight_at_a_checkpoint_are_admitted_again_after_resume():
     assert again[:2] == ["short", "short"] and again[2] == "new0"
 
 
+@pytest.mark.fast
 def test_dataset_keys(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"q": "1+1?", "sol": "2", "prompt": "other"}) + "\n")
@@ -272,6 +278,7 @@ def test_dataset_keys(tmp_path):
         load_dataset(str(f), prompt_key="nope")
 
 
+@pytest.mark.fast
 def test_reasoning_gym_task_is_scored_by_its_own_verifier():
     import random
 
@@ -288,6 +295,7 @@ def test_reasoning_gym_task_is_scored_by_its_own_verifier():
 
 
 
+@pytest.mark.fast
 def test_prompt_format_follows_a_chat_template(chat_model):
     """Multi-turn through a ChatML template: the tokens of prompt + action + observations equal
     the template's rendering of the whole conversation (less what the model did not generate)."""
@@ -308,6 +316,7 @@ def test_prompt_format_follows_a_chat_template(chat_model):
     assert PromptFormat(tok, use_template=False).first("hi") == tok.encode("hi")
 
 
+@pytest.mark.fast
 def test_a_model_with_two_eos_tokens_gets_a_well_formed_next_turn_whichever_it_stops_on(chat_model, tmp_path):
     """Qwen2.5-Instruct's generation config stops on <|im_end|> and on <|endoftext|>: both are EOS.
     Stopped on <|im_end|>, the template's own close, the next turn does not repeat it; stopped on
@@ -336,6 +345,7 @@ def test_a_model_with_two_eos_tokens_gets_a_well_formed_next_turn_whichever_it_s
     assert on_endoftext.count("<|im_end|>") == whole.count("<|im_end|>")    # every turn closed once
 
 
+@pytest.mark.fast
 def test_an_evaluation_round_is_scored_apart_from_training():
     """Evaluation samples travel with the training samples but are never trained: greedy and mean@k
     come from them, a retried failure waits for its retry, a final failure scores 0."""
@@ -364,6 +374,7 @@ def test_an_evaluation_round_is_scored_apart_from_training():
             and again == {} and trained == 0)
 
 
+@pytest.mark.fast
 def test_reward_deadline_is_lambda_times_the_slowest_correct_answer_within_min_and_max():
     from ext.deadlines import RewardDeadline
     d = RewardDeadline(10.0, factor=2.0, floor_s=1.0)

@@ -9,6 +9,10 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ext", "tools", "tests", "examples", "labs")   # the folders of modules besides the root
 

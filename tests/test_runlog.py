@@ -27,6 +27,8 @@ from task import Problem
 from ext.timeline import EventLog, RankEvents
 from train import Config
 
+pytestmark = pytest.mark.fast
+
 
 def make_log(tmp_path, *flags) -> RunLog:
     """Trainer rank 0's RunLog for train.py's flags, with the extensions they turn on (a tracker, the

@@ -22,6 +22,8 @@ from controller import ControllerConfig, WholeBatch
 from losses import LossConfig, compute_policy_loss, estimate_advantages
 from task import Problem
 
+pytestmark = pytest.mark.fast
+
 FORK = pathlib.Path(__file__).resolve().parent.parent / "docs" / "fork.md"
 
 

@@ -15,6 +15,7 @@ TINY = sim.SimConfig(rollout_gpus=2, train_gpus=1, batch_groups=4, group_size=4,
                      train_tok_s=1000.0)
 
 
+@pytest.mark.fast
 def test_runs_the_real_scheduling_code():
     """Every step's batch comes from AsyncController.collect (whole groups, staleness reported) and every
     sync went through the three phases to every proxy (version and engine weight loads)."""
@@ -26,6 +27,7 @@ def test_runs_the_real_scheduling_code():
     assert r["rows"][-1]["tokens_generated"] >= sum(row["tokens"] for row in r["rows"]) * 0.9
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("alpha", [1, 2])
 def test_staleness_never_exceeds_async_ratio_and_efficiency_at_most_one(alpha):
     r = sim.simulate(replace(TINY, async_ratio=alpha))
@@ -34,6 +36,7 @@ def test_staleness_never_exceeds_async_ratio_and_efficiency_at_most_one(alpha):
     assert 0 < r["efficiency"] <= 1.02
 
 
+@pytest.mark.fast
 def test_async_beats_sync_on_the_same_split():
     sync = sim.simulate(replace(TINY, async_ratio=0, steps=4, warmup=1))
     asyn = sim.simulate(replace(TINY, async_ratio=2))
@@ -41,6 +44,7 @@ def test_async_beats_sync_on_the_same_split():
     assert asyn["samples_per_s"] > 1.2 * sync["samples_per_s"]
 
 
+@pytest.mark.fast
 def test_queue_scheduling_beats_batch_rollout_with_redundant_prompts():
     cfg = sim.colocated(replace(TINY, redundant=4, steps=4), 2)
     batch = sim.simulate(replace(cfg, rollout_mode="batch"))
@@ -48,6 +52,7 @@ def test_queue_scheduling_beats_batch_rollout_with_redundant_prompts():
     assert queue["rollout_s"] < 0.8 * batch["rollout_s"]
 
 
+@pytest.mark.fast
 def test_dynamic_filtering_has_something_to_filter():
     on = sim.simulate(sim.colocated(replace(TINY, steps=3), 2))
     off = sim.simulate(sim.colocated(replace(TINY, steps=3, filter_groups=False), 2))
@@ -56,6 +61,7 @@ def test_dynamic_filtering_has_something_to_filter():
     assert 0.0 < on["rows"][0]["reward_mean"] < 1.0
 
 
+@pytest.mark.fast
 def test_env_level_async_beats_lockstep_envs():
     agent = sim.colocated(replace(sim.AGENT, batch_groups=4, group_size=4, max_num_seqs=8, turns=3, steps=2,
                                   warmup=1, chunk=32), 2)      # 2 engines x 8 trajectories
@@ -66,12 +72,14 @@ def test_env_level_async_beats_lockstep_envs():
     assert free["rollout_s"] < 0.9 * lock["rollout_s"]
 
 
+@pytest.mark.fast
 def test_env_failures_are_retried_and_the_run_completes():
     r = sim.simulate(replace(TINY, async_ratio=1, fail_rate=0.1, steps=3, warmup=1))
     assert sum(row["samples_failed"] for row in r["rows"]) > 0
     assert all(row["num_samples"] == TINY.batch_groups * TINY.group_size for row in r["rows"])
 
 
+@pytest.mark.fast
 def test_ideal_bound_is_the_slower_side():
     cfg = replace(TINY, rollout_gpus=64)            # plenty of engines: the trainer is the bottleneck
     gen, per_sample, _ = sim.demand(cfg)
@@ -80,6 +88,7 @@ def test_ideal_bound_is_the_slower_side():
     assert sim.best_split(TINY, 40) in range(1, 40)
 
 
+@pytest.mark.fast
 def test_configs_that_cannot_be_modelled_are_refused():
     with pytest.raises(ValueError, match="colocated"):
         sim.simulate(replace(TINY, colocated=True, async_ratio=1))
@@ -87,6 +96,7 @@ def test_configs_that_cannot_be_modelled_are_refused():
         sim.simulate(replace(sim.AGENT, lockstep="engine", env_redundancy=2))
 
 
+@pytest.mark.fast
 def test_workload_lengths_are_correlated_within_a_prompt_and_with_its_difficulty():
     """Samples of one prompt share its length median (the within-prompt spread is smaller than the spread
     over all samples), and harder prompts (lower pass rate) answer longer."""
@@ -105,6 +115,7 @@ def test_workload_lengths_are_correlated_within_a_prompt_and_with_its_difficulty
     assert len({w.prompt(seed)[2] for seed in logs}) > 3          # prompts have lengths of their own
 
 
+@pytest.mark.fast
 def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
     """Lengths set by the prompt alone (all their spread between prompts) and a KV budget of 3 capped samples
     per engine: with a group's samples on one engine (replication off) the engine holding the long groups runs
@@ -120,6 +131,7 @@ def test_memory_bound_engines_preempt_and_replication_spreads_the_load():
     assert all(row["num_samples"] == 16 for row in off["rows"] + on["rows"])
 
 
+@pytest.mark.fast
 def test_sim_vs_real_fit_recovers_constants_and_never_goes_negative():
     from tools import sim_vs_real
     rows = [(n, c, 0.012 + 0.0005 * n + 1e-6 * n * c) for n in (1, 4, 16, 64) for c in (15, 50)]
@@ -142,6 +154,7 @@ def test_the_committed_table_is_what_the_simulator_prints(name, tmp_path, monkey
     assert timeless(got) == timeless(committed), f"results/{name}.md is stale: run python -m tools.sim all"
 
 
+@pytest.mark.fast
 def test_weight_sync_time_is_the_models_bytes_over_the_link():
     """One sync = bytes / link bandwidth (broadcast) + bytes / load bandwidth: proportional to the model's
     size, slower across nodes than within one, and what every fake engine of the run sleeps for."""
@@ -249,6 +262,7 @@ def test_short_steps_keep_the_admission_bound(alpha):
     assert all(row["staleness_max"] <= alpha for row in r["rows"])
 
 
+@pytest.mark.fast
 def test_a_resumed_run_continues_the_one_it_resumes():
     """A run checkpointed at step 4 (AsyncController.state(), as train.py saves it) and resumed from it
     (restore(), the stream from the saved data position, the checkpoint's version) continues that run: its
@@ -298,6 +312,7 @@ def test_a_resumed_run_continues_the_one_it_resumes():
     assert all(row["staleness_max"] <= cfg.async_ratio for row in r2["rows"])
 
 
+@pytest.mark.fast
 def test_the_freshness_rule_travels_with_sync_and_a_step_that_drops_many_stale_samples_warns_once():
     """A rule stricter than its max_lag admits for (max_lag 2, but only samples of the trainer's own version
     are fresh): the assembler drops what fails it, every SYNC carries it to the rollout ranks, which abort

@@ -31,6 +31,7 @@ class LateEngine:
         self.shut.set()
 
 
+@pytest.mark.fast
 def test_engine_start_timeout_names_the_flag_and_the_late_engine_is_shut_down(monkeypatch):
     """The start runs on: at the timeout the rank fails at once (its event loop ends without waiting
     for the start's thread), naming the rank and the flag; the engine that comes up later is shut down,
@@ -65,6 +66,7 @@ def test_engine_start_timeout_names_the_flag_and_the_late_engine_is_shut_down(mo
     assert engine.shut.wait(30), "the engine that came up after the timeout was not shut down"
 
 
+@pytest.mark.fast
 def test_engine_start_error_is_the_engines_own(monkeypatch):
     """A start that fails by itself (vLLM's own ready timeout is a TimeoutError too) is not relabelled."""
     from vllm_engine import VLLMEngine
@@ -92,11 +94,13 @@ def test_the_flag_reaches_vllm_before_its_engine_client_reads_it():
     assert r.stdout.split()[-1] == "3060"
 
 
+@pytest.mark.fast
 def test_startup_timeout_flag_is_checked():
     with pytest.raises(ValueError, match="--startup-timeout-s must be > 0"):
         ControllerConfig(startup_timeout_s=0)
 
 
+@pytest.mark.fast
 def test_ready_is_awaited_for_the_startup_timeout_not_the_step_timeout():
     """The engines' READY may take as long as a cold start: --startup-timeout-s bounds it (a missing rank
     is named with the flag), not --timeout-s."""
@@ -120,6 +124,7 @@ def test_ready_is_awaited_for_the_startup_timeout_not_the_step_timeout():
     assert 50 <= waited < 55                  # virtual seconds: the startup bound, not --timeout-s's 5
 
 
+@pytest.mark.fast
 def test_a_rollout_rank_starts_its_engine_before_it_connects_to_the_queue_server(tmp_path, monkeypatch):
     """The engine's start does not wait for trainer rank 0, which serves the queues only once its model is
     built: engine start and trainer build overlap. The connect then waits up to --startup-timeout-s."""
@@ -185,6 +190,7 @@ def test_the_queue_server_across_nodes_listens_on_every_interface(bind):
         server.shutdown()
 
 
+@pytest.mark.fast
 def test_the_queue_server_binds_every_interface_only_across_nodes(monkeypatch):
     from buffer import queue_bind
     for world, local, bind in (("2", "1", ""), ("40", "8", ""), ("2", "2", None), ("3", None, None)):
@@ -196,6 +202,7 @@ def test_the_queue_server_binds_every_interface_only_across_nodes(monkeypatch):
         assert queue_bind() == bind, (world, local)
 
 
+@pytest.mark.fast
 def test_connect_gives_up_at_its_timeout():
     t = time.monotonic()
     with pytest.raises(TimeoutError, match="rollout rank 2: could not reach the queue server"):

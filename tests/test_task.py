@@ -6,6 +6,8 @@ import pytest
 
 import task
 
+pytestmark = pytest.mark.fast
+
 
 def test_default_task_is_deterministic_and_verifiable():
     a, b = task.make_problems(50, seed=1), task.make_problems(50, seed=1)
