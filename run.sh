@@ -31,7 +31,7 @@ case "$cmd" in
 esac
 case "$cmd" in
     setup)
-        ;;
+        echo "setup: $venv is ready (requirements.txt installed); the tiny model is built on first use" ;;
     test)
         # bash run.sh test fast [ARGS]: the quick tier (pytest -m fast, at most 2 minutes): the check after a
         # change to one file; bash run.sh test [ARGS]: the whole suite

@@ -41,8 +41,8 @@ def capacity_case(alpha: int, B: int, redundant: int, holding: int, want: int) -
     if got == want:
         return ""
     return (f"capacity(async_ratio={alpha}, batch_groups={B}, redundant={redundant}, holding={holding}) "
-            f"returned {got!r}: the bound is (async_ratio + 1) * batch_groups + redundant = "
-            f"{(alpha + 1) * B + redundant} places, {holding} held, so {want} may still be admitted")
+            f"returned {got!r}, want {want}: the bound has {(alpha + 1) * B + redundant} places for these "
+            f"settings (the async ratio's batches and the redundant prompts), {holding} of them held")
 
 
 def tables_pass():
