@@ -1,14 +1,18 @@
-"""ext/torch_engine.py: TorchEngine, a generation backend (proxy.Engine) in plain torch, for the one-process
-teaching mode: `python train.py` without torchrun runs the controller, one env manager and the trainer in
-one process and one event loop, with this engine where the rollout ranks run vLLM.
+"""ext/torch_engine.py: TorchEngine, a generation backend (proxy.Engine) in plain torch: the one-process
+teaching mode's engine (`python train.py` without torchrun: the controller, one env manager and the trainer in
+one process and one event loop), and with --engine torch the torchrun rollout ranks' engine in vLLM's place.
 
     engine = TorchEngine.from_dir(model_dir, max_num_seqs=64, seed=0)    # float32, on CPU
     proxy = LLMProxy(engine, rank=0)                                     # the proxy's rules, unchanged
     await proxy.suspend("keep"); engine.load_state(trainer.iter_full_state())
     await proxy.update_weights(None, version); await proxy.resume()      # (receive_weights: spec None)
 
+    torchrun --nproc-per-node 2 train.py --rollout-gpus 1 --train-gpus 1 --engine torch   # CPU ranks
+
 Why: a whole run a student can step through in one debugger (no engine-core process, no workers, no
-weight-sync group), and an install without vLLM: it needs torch, transformers and numpy, nothing else.
+weight-sync group), and an install without vLLM: it needs torch, transformers and numpy, nothing else. Under
+torchrun (--engine torch): an engine that starts in a second or two where vLLM's CPU engine takes 25-50 s,
+for the tests whose subject is not vLLM (the controller, restarts, an agent, two nodes) and tiny models.
 
 How it generates: concurrent stream() calls join one scheduler, an asyncio task on the caller's loop.
 Each step admits waiting requests first come, first served up to max_num_seqs, runs ONE forward over
@@ -27,22 +31,30 @@ Simplified on purpose, versus vLLM:
   trainer logprobs agree to float32 rounding. Hence also no prefix cache (cache_salt is ignored), no
   preemption (a request waits for a seat, then keeps it), no chunked prefill. For real models use vLLM.
 - top_p < 1 is refused with an error (the logprobs would be of the truncated distribution).
-- Weights: one process has no weight-sync group, so receive_weights takes spec None only; the runner
-  copies the trainer's weights in with load_state(). sleep() and wake() do nothing: on a CPU there is
-  no accelerator memory to give back to the trainer.
+- Weights: in one process there is no weight-sync group: receive_weights takes the inprocess transport's
+  hand-over (or spec None: the runner copies the trainer's weights in with load_state()). Under torchrun a
+  sync arrives as it does in a vLLM worker: weight_sync.WeightSyncWorker's receive (the group's broadcast,
+  or ext/colocate.py's ipc buckets) runs in a thread while the engine is paused, its `load` handing the
+  tensors to load_state (_SyncWorker). sleep() and wake() do nothing: on a CPU there is no accelerator
+  memory to give back to the trainer.
+- Under torchrun (--engine torch): CPU only, no LoRA adapters, no --colocate (each refused at parse time by
+  name); the rollout rank's whole process runs on its engine core (vLLM's engine processes would); the
+  extensions' own engines (a teacher's, a judge's) stay vLLM's.
 """
 
 import asyncio
 import contextlib
+import os
 import queue
 import time
+import types
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from config import Extension, extension
-from weight_sync import TRANSPORTS, GroupSpec
+from config import Extension, check, extension, opt
+from weight_sync import TRANSPORTS, GroupSpec, WeightSyncWorker
 
 GREEDY_BELOW = 1e-5     # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 
@@ -101,13 +113,15 @@ class TorchEngine:
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._stopped = False
+        self._sync_worker: _SyncWorker | None = None    # torchrun: its side of the weight-sync group, kept
 
     @classmethod
-    def from_dir(cls, model_dir, **kwargs) -> "TorchEngine":
-        """The model of an HF model dir, float32 on CPU, in eval mode; EOS: the tokenizer's and the generation
-        config's (vllm_engine.py stops on both). kwargs: __init__'s."""
+    def from_dir(cls, model_dir, dtype: str = "float32", **kwargs) -> "TorchEngine":
+        """The model of an HF model dir, on CPU in `dtype` (--dtype: float32 keeps engine and trainer logprobs
+        equal), in eval mode; EOS: the tokenizer's and the generation config's (vllm_engine.py stops on both).
+        kwargs: __init__'s."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         eos = _ids(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
         kwargs.setdefault("eos_token_ids", eos | _ids(model.generation_config.eos_token_id))
         return cls(model, **kwargs)
@@ -270,14 +284,23 @@ class TorchEngine:
         self.version = version
 
     async def receive_weights(self, spec, first_rank: int, layout) -> list[dict] | None:
-        """The trainer's weights, in one process: the inprocess transport's (HANDOFF, from the trainer's
-        sender in its sync thread), loaded while the engine is paused; returns the timings. spec None: none
-        to receive (the caller loads them with load_state)."""
+        """The trainer's weights, loaded while the engine is paused; returns the timings ([one worker's]).
+        spec None: none to receive (the caller loads them with load_state). The inprocess transport (one
+        process): the tensors the trainer's sender handed over (HANDOFF, from its sync thread). Any other
+        (torchrun: the group's broadcast, ext/colocate.py's ipc): weight_sync.WeightSyncWorker's receive as a
+        vLLM worker runs it, as weight-sync rank first_rank, in a thread (the broadcast blocks); a receive
+        that fails tells the transport, as vllm_engine.VLLMEngine.receive_weights does."""
         if spec is None:
             return None
         if spec.transport != "inprocess":
-            raise ValueError(f"TorchEngine.receive_weights: one process, no weight-sync group: "
-                             f"--weight-transport {spec.transport} cannot reach it (inprocess can)")
+            if self._sync_worker is None:
+                self._sync_worker = _SyncWorker(self)
+            try:
+                return [await asyncio.to_thread(self._sync_worker.receive_weights, asdict(spec), first_rank,
+                                                layout)]
+            except BaseException as e:
+                TRANSPORTS[spec.transport].receive_failed(spec, first_rank, layout, e)
+                raise
         t0 = time.monotonic()
         try:
             seq, named = await asyncio.to_thread(HANDOFF.get, True, spec.timeout_s)
@@ -334,6 +357,27 @@ class TorchEngine:
                 self._task.cancel()
 
 
+class _SyncWorker(WeightSyncWorker):
+    """A TorchEngine's side of the weight sync under torchrun: weight_sync.WeightSyncWorker's receive, as a
+    vLLM worker runs it (it joins the group once a generation and keeps it, or hands over to the transport's
+    receiver, ext/colocate.py's ipc), with one worker: weight-sync rank first_rank; its `load` copies the
+    tensors into the engine's model as they arrive (TorchEngine.load_state, the engine paused)."""
+    rank = 0
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.model_runner = types.SimpleNamespace(device=engine.device)   # (where the buckets are received)
+
+    def load(self, stream, load: tuple | None = None):
+        try:
+            if load is not None:     # (an adapter's load: ext/lora.py's, which --engine torch refuses)
+                raise ValueError(f"TorchEngine: cannot load weights through {load[0]} (vLLM's workers can)")
+            self.engine.load_state(stream)
+        finally:                     # (a load that stopped early: the sender still needs every bucket taken)
+            for _ in stream:
+                pass
+
+
 # ---------------------------------------------------------------------------------------------
 # the one-process run's weight transport (ext/one_process.py)
 
@@ -371,3 +415,63 @@ class InProcessTransport:
 
 
 TRANSPORTS["inprocess"] = InProcessTransport()
+
+
+# ---------------------------------------------------------------------------------------------
+# --engine torch: the torchrun rollout ranks' engine
+
+
+@dataclass
+class TorchEngineConfig:
+    engine: str = opt("vllm", "the rollout ranks' engine under torchrun: vllm | torch (ext/torch_engine.py: "
+                              "plain torch on the CPU, no KV cache, starts in seconds; for tiny models and "
+                              "the tests whose subject is not vLLM). python train.py without torchrun runs "
+                              "torch")
+
+    def __post_init__(self):
+        check(self, one_of=dict(engine=("vllm", "torch")))
+
+
+def refusals(cfg) -> list[str]:
+    """What --engine torch cannot run among cfg's flags, each named."""
+    out = []
+    if getattr(cfg.ext.get("lora"), "lora_rank", 0):
+        out.append("--lora-rank (it serves no adapters: vLLM's LoRA does)")
+    if getattr(cfg.ext.get("colocate"), "colocate", False):
+        out.append("--colocate (vLLM's sleep mode)")
+    if torch.cuda.is_available():
+        out.append("GPUs (it runs on the CPU: its forward has no KV cache)")
+    return out
+
+
+async def start_engine(model_dir: str, who: str, engine: dict) -> TorchEngine:
+    """A rollout rank's TorchEngine with the settings vLLM's would get (engine: VLLMEngine.start's keywords;
+    the ones for vLLM alone, a KV cache's size, are not used). The rank's process runs on its engine core
+    (cpu_cores), where vLLM's engine processes would, with one torch thread a core."""
+    cores = engine.get("cpu_cores") or ""
+    if cores:        # this thread (the event loop's: the forward runs here) and the threads it starts
+        own = {c for part in cores.split(",")
+               for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(len(own))
+    return await asyncio.to_thread(TorchEngine.from_dir, model_dir, dtype=engine.get("dtype") or "float32",
+                                   max_num_seqs=engine["max_num_seqs"], seed=engine["seed"],
+                                   max_model_len=engine.get("max_model_len"))
+
+
+@extension
+class TorchRolloutEngine(Extension):
+    """--engine torch: the rollout ranks run TorchEngine (rollout_engine), weights by the run's transport."""
+    name, Config = "torch_engine", TorchEngineConfig
+
+    @classmethod
+    def wanted(cls, part) -> bool:
+        return part.engine == "torch"
+
+    @classmethod
+    def configure(cls, cfg, part):
+        if no := refusals(cfg):
+            raise ValueError(f"--engine torch cannot run with {'; '.join(no)}: use --engine vllm")
+
+    def rollout_engine(self, model_dir: str, who: str, engine: dict):
+        return start_engine(model_dir, who, engine)

@@ -532,16 +532,17 @@ def test_agent_flag_errors_name_the_flag(tmp_path):
 # train.py --agent under torchrun
 
 
-@pytest.mark.engine
 def test_train_py_trains_an_openai_client_agent_under_torchrun(tmp_path, tiny_model_dir):
-    """The example agent as a run's env (1 trainer + 1 rollout rank, the embedded model, built first by the
-    fixture: on a fresh clone this is the suite's first run, and the build must not eat its timeout):
-    every step trains a full batch within the async ratio, the engines hold the trainer's weights after
-    every sync, the redundant trajectories (--env-redundancy) are aborted through the endpoint with
+    """The example agent as a run's env (1 trainer + 1 rollout rank on the plain-torch engine, --engine
+    torch: the agent's endpoint and the env manager are the subject, not vLLM; the embedded model, built
+    first by the fixture: on a fresh clone this is the suite's first run, and the build must not eat its
+    timeout): every step trains a full batch within the async ratio, the engines hold the trainer's weights
+    after every sync, the redundant trajectories (--env-redundancy) are aborted through the endpoint with
     nothing lost, and the rank's endpoint counted its calls."""
     from tools.jobs import run_to_end, torchrun_cmd
     out = tmp_path / "agent"
-    cmd = torchrun_cmd("--out-dir", str(out), "--agent", "examples/calc_agent.py:agent", "--steps", "3",
+    cmd = torchrun_cmd("--out-dir", str(out), "--engine", "torch", "--agent", "examples/calc_agent.py:agent",
+                       "--steps", "3",
                        "--batch-groups", "4", "--group-size", "4", "--env-redundancy", "2",
                        "--max-concurrency", "16", "--timeout-s", "180", "--check-sync-every", "1",
                        "--save-every", "0")

@@ -1,11 +1,10 @@
 """tools/bench_e2e.py's baselines. The lockstep loop, the baseline the agentic benchmark compares the system
 with, must really be lockstep (a turn starts only once every env call of the turn before returned), or its
-ratios mean nothing: in fast-forwarded virtual time (looptime), with a recording sampler. And both
-baselines (naive, lockstep) train for real at tiny settings, as the command runs them."""
+ratios mean nothing: in fast-forwarded virtual time (looptime), with a recording sampler. Both baselines
+(naive, lockstep) train for real at tiny settings where the command runs them: tests/test_tools_runs.py
+(test_bench_e2e_naive_sync_and_async, test_bench_e2e_agentic_lockstep_and_system)."""
 
 import asyncio
-
-import pytest
 
 from conftest import run_virtual
 from buffer import RolloutTask
@@ -84,52 +83,3 @@ def test_lockstep_row_gets_its_own_budget():
     a, b = run_virtual(main())
     assert (a.token_ids, a.logprobs, a.finish_reason) == ([1, 2], [-1.0, -1.0], "length")   # cut to 2
     assert (b.token_ids, b.finish_reason, b.prompt_token_ids) == ([1, 9], "stop", [6, 6])
-
-
-# ---------------------------------------------------------------------------------------------
-# the baselines themselves, run for real at tiny settings (python -m tools.bench_e2e runs them first; the
-# whole command: tests/test_tools_runs.py)
-
-
-@pytest.fixture
-def torch_threads():
-    """The baselines run torch on every core (as the command does): this process's setting back after."""
-    import torch
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def baseline_args(**kw):
-    """bench_e2e's flags as its parser leaves them, tiny: batch 2 x 2, 2 steps."""
-    import argparse
-    args = dict(steps=2, naive_steps=2, target=0.5, batch_groups=2, group_size=2, max_tokens=0, micro_batch=8,
-                lr=3e-4, loss="ppo", env="", env_latency_s=0.01, env_latency_sigma=0.5, env_hang_rate=0.0,
-                timeout_s=120, verbose=False)
-    return argparse.Namespace(**{**args, **kw})
-
-
-def check_figures(r: dict, steps: int):
-    import math
-    assert r["steps"] == steps and r["steps_to_target"] is None and r["seconds_to_target"] is None
-    for key in ("s_per_step", "wall_s", "reward_first10", "reward_last10"):
-        assert isinstance(r[key], float) and math.isfinite(r[key]), key
-    assert r["s_per_step"] > 0 and 0 <= r["reward_first10"] <= 1
-
-
-def test_naive_baseline_trains_and_reports_its_figures(torch_threads):
-    """The plain loop: transformers' generate, then Trainer.train_step (its reply budget resolved as
-    train.py resolves it: RolloutConfig.resolved's signature once changed under it)."""
-    from tools.bench_e2e import naive
-    check_figures(naive(baseline_args(), seed=0), steps=2)
-
-
-def test_lockstep_baseline_trains_on_the_calc_env(monkeypatch, tiny_model_dir, torch_threads):
-    """The plain multi-turn loop over the calculator env (its sandbox, injected latency, deadlines), on the
-    tiny model (the calc model's warm start takes many minutes here; the loop is what is tested)."""
-    import ext.calc
-    from tools.bench_e2e import lockstep
-    monkeypatch.setattr(ext.calc, "ensure_calc_model", lambda log=print: tiny_model_dir)
-    r = lockstep(baseline_args(env="calc"), seed=0)
-    check_figures(r, steps=2)
-    assert r["turns_mean"] >= 1 and r["samples_dropped_failed"] >= 0

@@ -1,11 +1,14 @@
-"""Multi-turn envs end to end on a real vLLM CPU engine with the tiny model.
+"""Multi-turn envs end to end on a real vLLM CPU engine with the tiny model (the session's, conftest's
+vllm_proxy; one run of chain, guess and calc trajectories serves the first two tests).
 
 Every trajectory is replayed against a fresh env: its observation tokens must be exactly what the
 env said (mask 0, logprob 0), its reward what the env gave, and the behaviour logprob of every
 action token must equal a transformers forward pass over prompt + response within 1e-4.
 
 Token in, token out: every engine call and every observation's ids are recorded as they happen, and
-the trained sample (and the trainer's collated batch) must be exactly those ids, no re-tokenisation."""
+the trained sample (and the trainer's collated batch) must be exactly those ids, no re-tokenisation.
+The calc tool's token in, token out runs on the plain-torch engine (ext/torch_engine.py): its subject is
+the env manager's ids, not vLLM, and its model (warm-started to call the calculator) needs no engine start."""
 
 import asyncio
 import contextlib
@@ -66,15 +69,12 @@ def run_tasks(lt, proxy, tok, cfg, tasks, recorder=None):
     return lt.run(main(), timeout=300)
 
 
-def test_multi_turn_envs_end_to_end(vllm_proxy, hf):
+def test_multi_turn_envs_end_to_end(vllm_proxy, hf, chain_guess_calc):
     lt, proxy = vllm_proxy
     model, tok = hf
-    cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
-    tasks = [RolloutTask(f"{env}{i}", f"{env}-group{i}", Problem("", ""), env=env)
-             for env in ("chain", "guess") for i in range(3)]
-    samples, stats = run_tasks(lt, proxy, tok, cfg, tasks)
-
+    cfg, tasks, samples, stats, _ = chain_guess_calc
     assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0 and stats["in_flight"] == 0
+    samples = [s for s in samples if not s.task_id.startswith("calc")]      # (calc: the next test's)
     assert any(s.num_turns > 1 for s in samples)
     # the model's EOS ends a turn and is trained on: it sits in response_ids with mask 1
     assert any(t == tok.eos_token_id and m == 1 for s in samples for t, m in zip(s.response_ids, s.loss_mask))
@@ -229,11 +229,10 @@ def check_trajectories(rec: Recorder, samples) -> int:
     return sum(s.num_turns - 1 for s in samples)
 
 
-def test_tokens_in_tokens_out(vllm_proxy, hf):
-    """For chain, guess and calc trajectories on the real engine, the ids trained on are exactly the
-    ids the engine generated and the ids PromptFormat made of each observation, interleaved; each
-    turn's engine input is exactly prompt + response so far; the loss mask is 1 on the engine's tokens
-    only, with the engine's logprobs there and 0.0 elsewhere; trainer.collate keeps all of it."""
+@pytest.fixture(scope="module")
+def chain_guess_calc(vllm_proxy, hf):
+    """One run of 3 chain, 3 guess and 3 calc trajectories on the session's engine, every engine call and
+    observation recorded: (cfg, tasks, samples, the manager's stats, the Recorder)."""
     lt, proxy = vllm_proxy
     _, tok = hf
     cfg = RolloutConfig(max_tokens=6, max_turns=4, max_model_len=120)
@@ -242,6 +241,16 @@ def test_tokens_in_tokens_out(vllm_proxy, hf):
                          env=env) for env in ("chain", "guess", "calc") for i in range(3)]
     rec = Recorder()
     samples, stats = run_tasks(lt, proxy, tok, cfg, tasks, rec)
+    return cfg, tasks, samples, stats, rec
+
+
+def test_tokens_in_tokens_out(vllm_proxy, chain_guess_calc):
+    """For chain, guess and calc trajectories on the real engine, the ids trained on are exactly the
+    ids the engine generated and the ids PromptFormat made of each observation, interleaved; each
+    turn's engine input is exactly prompt + response so far; the loss mask is 1 on the engine's tokens
+    only, with the engine's logprobs there and 0.0 elsewhere; trainer.collate keeps all of it."""
+    _, proxy = vllm_proxy
+    _, tasks, samples, stats, rec = chain_guess_calc
     assert stats["samples_sent"] == len(tasks) and stats["samples_failed"] == 0, failures(samples)
     assert proxy.generate.__func__ is type(proxy).generate        # the recorder let go of the proxy
     assert check_trajectories(rec, samples) > 0                   # some observations were spliced in
@@ -303,8 +312,11 @@ def test_an_openai_client_agent_on_the_real_engine_is_token_in_token_out(vllm_pr
 
 def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
     """The embedded model warm-started a little further on ext/calc.py's transcripts for half the problems
-    (the calc model's recipe from the default model's weights, ~1 minute: this test needs calls to the
-    calculator, not skill; --env calc's own model, CALC, trains 2,000 steps from scratch)."""
+    (the calc model's recipe from the default model's weights, ~25 s of one core: this test needs calls to
+    the calculator, not skill; --env calc's own model, CALC, trains 2,000 steps from scratch). One torch
+    thread, as tiny_model.py builds (two threads on two busy cores spin: many times the CPU). Of the test's 24
+    trajectories 9, 7 and 10 called the calculator on the plain-torch engine's seeds 0, 1, 2 (11 on vLLM's
+    seed 0); after 90 steps 4, 2, 3."""
     import random
 
     import task
@@ -312,19 +324,24 @@ def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
     from ext.calc import sft_segments
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     tok = PreTrainedTokenizerFast.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     opt, rng = torch.optim.AdamW(model.parameters(), lr=1e-3), random.Random(seed)
     data = task.make_problems(steps * 32, seed=seed + 5)
     model.train()
-    for step in range(steps):
-        batch = [sft_segments(p) if rng.random() < 0.5 else tiny_model.sft_segments(p)
-                 for p in data[step * 32:(step + 1) * 32]]
-        input_ids, labels = tiny_model.encode_sft_batch(tok, batch)
-        loss = model(input_ids=input_ids, attention_mask=(input_ids != 0).long(), labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    try:
+        for step in range(steps):
+            batch = [sft_segments(p) if rng.random() < 0.5 else tiny_model.sft_segments(p)
+                     for p in data[step * 32:(step + 1) * 32]]
+            input_ids, labels = tiny_model.encode_sft_batch(tok, batch)
+            loss = model(input_ids=input_ids, attention_mask=(input_ids != 0).long(), labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     return out_dir
@@ -332,15 +349,19 @@ def tool_model(base_dir, out_dir, steps: int = 150, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def calc_proxy(tiny_model_dir, tmp_path_factory):
-    """(LoopThread, LLMProxy, tokenizer) over a real vLLM CPU engine with a model that calls the calculator
-    for part of its first actions (tool_model)."""
+    """(LoopThread, LLMProxy, tokenizer) over the plain-torch engine (ext/torch_engine.py: vLLM's batch size,
+    float32) with a model that calls the calculator for part of its first actions (tool_model)."""
+    from ext.torch_engine import TorchEngine
     from proxy import LLMProxy
     from transformers import PreTrainedTokenizerFast
     model_dir = tool_model(tiny_model_dir, tmp_path_factory.mktemp("calc-model"))
     lt = LoopThread()
-    proxy = lt.run(LLMProxy.start_vllm(str(model_dir), rank=0, timeout_s=120))
+    proxy = LLMProxy(TorchEngine.from_dir(model_dir, max_num_seqs=64, seed=0), rank=0, timeout_s=120)
     yield lt, proxy, PreTrainedTokenizerFast.from_pretrained(model_dir)
-    proxy.shutdown()
+
+    async def stop():             # (on lt's loop, where the engine's scheduler task runs)
+        proxy.shutdown()
+    lt.run(stop())
     lt.close()
 
 

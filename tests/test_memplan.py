@@ -1,9 +1,8 @@
-"""memplan.py: parameter counts from the layout device, the plan's arithmetic, and train.py --dry-run (the
-plan, then an exit before any process group or engine; a Qwen2.5-7B config, nothing downloaded). The plan
-against measured peaks: tools/bench_trainer.py memplan."""
+"""memplan.py: parameter counts from the layout device and the plan's arithmetic (a Qwen2.5-7B config,
+nothing downloaded). train.py --dry-run (the plan, then an exit before any process group or engine): in
+tests/test_reliability.py's batch of train.py runs. The plan against measured peaks: tools/bench_trainer.py
+memplan."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,24 +74,3 @@ def test_colocated_headroom_holds_both_ipc_buffers_at_the_size_of_the_embedding(
     assert memplan.colocated_headroom(t, cfg.bucket_mb << 20) == (
         t["gradients"] + t["AdamW moments"] + t["gathered weights"] + 3 * embedding + memplan.COLOCATE_MARGIN)
     assert "weight sync" not in memplan.make_plan(hf, Config(train_gpus=8, rollout_gpus=8), gpu=True).trainer
-
-
-def test_dry_run_prints_the_plan_without_torchrun():
-    """train.py --dry-run: no torchrun environment, no engine, no process group: the plan and exit 0 (the
-    Qwen2.5-7B config at the README's 24 + 16 layout; and the embedded model, which need not be built); a bad
-    --model or --dry-run value is refused naming its flag. (The four runs two at a time.)"""
-    import concurrent.futures
-    bad = [(["--dry-run", "--model", str(ROOT / "nowhere")], "--model"), (["--dry-run", "tpu"], "--dry-run")]
-    runs = [["--dry-run", "gpu", "--model", str(QWEN_7B), "--rollout-gpus", "24", "--train-gpus", "16",
-             "--max-tokens-per-micro", "16384"], ["--dry-run", "cpu"], *(args for args, _ in bad)]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda args: subprocess.run([sys.executable, "train.py", *args], cwd=ROOT,
-                                                         capture_output=True, text=True, timeout=300), runs))
-    r = done[0]
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "7,615.6M params" in r.stdout and "per trainer rank (16, bf16" in r.stdout
-    assert "per engine (24, bfloat16)" in r.stdout and "RANK" not in r.stdout + r.stderr
-    r = done[1]
-    assert r.returncode == 0 and "the embedded model 1.1M params" in r.stdout, r.stderr[-2000:]
-    for r, (_, flag) in zip(done[2:], bad):
-        assert r.returncode != 0 and flag in r.stderr

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from model import PolicyNet, pack_by_tokens, padded_share, token_logprobs
+from model import PolicyNet, pack_by_tokens, token_logprobs
+from tools.bench_trainer import padded_share
 
 
 def full_logprobs(model, ids, attn):
@@ -39,9 +40,10 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture
-def models(tiny_model_dir):
-    """The tiny model, and the same under a LoRA adapter whose B is non-zero (so the adapter matters)."""
+@pytest.fixture(scope="module")
+def built_models(tiny_model_dir):
+    """The tiny model, and the same under a LoRA adapter whose B is non-zero (so the adapter matters): loaded
+    and wrapped once for the module (models hands each test copies)."""
     from transformers import AutoModelForCausalLM
 
     from ext import lora
@@ -53,6 +55,13 @@ def models(tiny_model_dir):
             if ".lora_B." in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
     return {"plain": plain, "lora": peft}
+
+
+@pytest.fixture
+def models(built_models):
+    """built_models' two, copied for this test (a test casts them, trains them, leaves gradients on them)."""
+    import copy
+    return {kind: copy.deepcopy(m) for kind, m in built_models.items()}
 
 
 @pytest.mark.parametrize("kind", ["plain", "lora"])

@@ -2,11 +2,12 @@
 hostname, and its own /etc/hosts bind-mounted in. Node 0's /etc/hosts says what Ubuntu and cloud-init
 write (`127.0.1.1 node0`), node 1's resolves node0 to 127.0.0.1 (on a cluster: node 0's network address).
 torchrun's c10d rendezvous then gives every rank MASTER_ADDR=node0, node 0's name, as on a cluster: node 0
-resolves it to 127.0.1.1, node 1 to 127.0.0.1. Trainer rank 0 runs on node 0, the rollout rank (a real
-vLLM engine) on node 1. torchrun's TCPStore listens on every interface, so torch starts either way; the
-run passes only if node 1's rollout rank reaches the queue server that node 0 serves. (What one machine
-cannot show: gloo and NCCL pick their own interface from the hostname, loopback here; on a cluster set
-GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, README.)"""
+resolves it to 127.0.1.1, node 1 to 127.0.0.1. Trainer rank 0 runs on node 0, the rollout rank on node 1
+(on the plain-torch engine, --engine torch: what crosses the nodes is the rank's, the queues and the
+weight-sync group, not the engine's). torchrun's TCPStore listens on every interface, so torch starts either
+way; the run passes only if node 1's rollout rank reaches the queue server that node 0 serves and takes the
+weights that node 0 broadcasts. (What one machine cannot show: gloo and NCCL pick their own interface from
+the hostname, loopback here; on a cluster set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, README.)"""
 
 import json
 import os
@@ -20,7 +21,6 @@ import pytest
 from tests.test_train import kill_tree
 from tools.jobs import free_port_pair
 
-pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = {0: "127.0.0.1 localhost\n127.0.1.1 node0\n",
          1: "127.0.0.1 localhost\n127.0.1.1 node1\n127.0.0.1 node0\n"}
@@ -54,7 +54,8 @@ def test_two_nodes_c10d_rendezvous_where_node0_resolves_its_name_to_127_0_1_1(tm
     out, port = tmp_path / "run", free_port_pair()
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", f"t{port}",
-                "train.py", "--rollout-gpus", "1", "--train-gpus", "1", "--model", str(tiny_model_dir),
+                "train.py", "--rollout-gpus", "1", "--train-gpus", "1", "--engine", "torch",
+                "--model", str(tiny_model_dir),
                 "--out-dir", str(out), "--steps", "1", "--batch-groups", "2", "--group-size", "4",
                 "--redundant", "0", "--no-filter-groups", "--max-concurrency", "8", "--check-sync-every", "1",
                 "--save-every", "0", "--max-events", "0", "--timeout-s", "120", "--startup-timeout-s", "150"]

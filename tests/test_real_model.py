@@ -1,5 +1,7 @@
 """A model dir that looks like a real one (byte-level BPE, ChatML template, 1024-token context:
-conftest.chat_model) through real vLLM engines and the whole system, with 300+ token prompts."""
+conftest.chat_model) through the whole system with 300+ token prompts (torchrun on the plain-torch engine,
+--engine torch: the run's subject is the model dir and the data, not vLLM), then through a real vLLM engine
+(the run's checkpoint: it loads, it scores as transformers does, its prefix cache follows weight updates)."""
 
 import asyncio
 import json
@@ -27,12 +29,13 @@ def hf_logprobs(model, ids: list[int]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained(chat_model, tmp_path_factory) -> dict:
-    """torchrun, one trainer and one engine, --model DIR --data FILE, 3 steps: {"out", "stdout"}."""
+    """torchrun, one trainer and one rollout rank (--engine torch), --model DIR --data FILE, 3 steps:
+    {"out", "stdout"}."""
     from tools.jobs import free_port_pair
     out = tmp_path_factory.mktemp("real-model") / "run"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
-           "train.py", "--rollout-gpus", "1", "--train-gpus", "1",
+           "train.py", "--rollout-gpus", "1", "--train-gpus", "1", "--engine", "torch",
            "--model", str(chat_model["dir"]), "--data", str(chat_model["data"]), "--steps", "3",
            "--max-tokens", "16",
            "--batch-groups", "2", "--group-size", "4", "--redundant", "0", "--no-filter-groups",
@@ -62,7 +65,7 @@ def checkpoint_engine(trained):
 
 
 def test_the_whole_system_on_a_real_looking_model_and_long_prompts(trained, checkpoint_engine):
-    """torchrun, one trainer and one engine, --model DIR --data FILE: steps complete, no sample
+    """torchrun, one trainer and one rollout rank, --model DIR --data FILE: steps complete, no sample
     fails, every prompt is 300+ tokens, engine and trainer agree after every sync, and the trained
     weights load in transformers and in vLLM (their logprobs agree)."""
     from transformers import AutoModelForCausalLM

@@ -54,6 +54,9 @@ BAD_FLAGS = [
     (["--gspo-clip-low", "2"], "--gspo-clip-low"),
     (["--loss-agg", "sum"], "--loss-agg"),
     (["--sample-order", "newest"], "--sample-order"),
+    (["--engine", "vulkan"], "--engine"),
+    (["--engine", "torch", "--lora-rank", "8"], "--engine torch cannot run with --lora-rank"),
+    (["--engine", "torch", "--colocate", "--async-ratio", "0"], "--engine torch cannot run with --colocate"),
 ]
 
 
@@ -212,8 +215,9 @@ def test_a_step_that_cannot_complete_fails_with_the_reason(kind):
                                iter(lambda: None, 1), 1)
         ctrl.problems = iter(lambda: None, 1)
 
-        async def feed():                      # samples keep arriving, none makes a usable group
-            for g in range(10**6):
+        async def feed():                      # samples keep arriving, none makes a usable group (failed
+            # ones: fewer than controller.FailureBreaker's window of 64, which would end the run first)
+            for g in range(25 if kind == "failed" else 10**6):
                 if kind == "silent":
                     return
                 for i in range(2):
@@ -342,16 +346,53 @@ def test_bad_data_is_named_before_anything_starts(refused, content, message):
 
 
 # ---------------------------------------------------------------------------------------------
+# train.py without torchrun: the one-process run's refusal, --help, --dry-run
+
+
+def test_without_torchrun_train_py_names_torchrun_and_help_lists_the_flags(refused):
+    """Two rollout ranks need torchrun (the one-process run says so); an unknown loss is refused naming its
+    flag; --help lists the main flags."""
+    r, _ = refused["train", "no torchrun"]
+    assert r.returncode != 0 and "torchrun" in r.stderr
+    r, out = refused["train", "bad loss"]
+    assert r.returncode != 0 and "--loss" in r.stderr and not out.exists()
+    h, _ = refused["train", "help"]
+    for flag in ("--rollout-gpus", "--train-gpus", "--async-ratio", "--loss", "--steps", "--out-dir",
+                 "--model", "--data", "--resume", "--engine"):
+        assert flag in h.stdout
+
+
+QWEN_7B = ROOT / "tools" / "qwen2.5-7b"          # Qwen2.5-7B's public config.json, no weights
+DRY_RUNS_BAD = [(["--dry-run", "--model", str(ROOT / "nowhere")], "--model"),
+                (["--dry-run", "tpu"], "--dry-run")]
+
+
+def test_dry_run_prints_the_plan_without_torchrun(refused):
+    """train.py --dry-run (ext/memplan.py): no torchrun environment, no engine, no process group: the plan
+    and exit 0 (the Qwen2.5-7B config at the README's 24 + 16 layout; and the embedded model, which need not
+    be built); a bad --model or --dry-run value is refused naming its flag."""
+    r, _ = refused["dry run", "qwen 7b"]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "7,615.6M params" in r.stdout and "per trainer rank (16, bf16" in r.stdout
+    assert "per engine (24, bfloat16)" in r.stdout and "RANK" not in r.stdout + r.stderr
+    r, _ = refused["dry run", "embedded"]
+    assert r.returncode == 0 and "the embedded model 1.1M params" in r.stdout, r.stderr[-2000:]
+    for i, (_, flag) in enumerate(DRY_RUNS_BAD):
+        r, _ = refused["dry run", i]
+        assert r.returncode != 0 and flag in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # the refusals above, run at once
 
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory, tiny_model_dir) -> dict:
-    """Every train.py run of the refusal tests above (bad flags, a run dir with a checkpoint, resume without
-    one, an unwritable --out-dir, bad model dirs, bad data), each set up in a dir of its own and run here,
-    two at a time (each is one process that imports torch and stops at its check: ~2 s of one core).
-    (kind, case) -> (CompletedProcess, what the test checks besides: the out dir, the run dir and its
-    metrics.jsonl before, the model dir)."""
+    """Every train.py run of the tests above (bad flags, a run dir with a checkpoint, resume without one, an
+    unwritable --out-dir, bad model dirs, bad data, no torchrun, --help, --dry-run), each set up in a dir of
+    its own and run here, two at a time (each is one process that imports torch and stops at its check: ~2 s
+    of one core). (kind, case) -> (CompletedProcess, what the test checks besides: the out dir, the run dir
+    and its metrics.jsonl before, the model dir)."""
     import concurrent.futures
     base = tmp_path_factory.mktemp("refused")
     cases = {}                                   # (kind, case) -> (train.py's args, the context)
@@ -381,6 +422,19 @@ def refused(tmp_path_factory, tiny_model_dir) -> dict:
         elif content is not None:
             data.write_text(content)
         cases["data", i] = ["--out-dir", str(d / "out"), "--data", str(data)], None
+    cases["train", "no torchrun"] = ["--rollout-gpus", "2", "--train-gpus", "1", "--out-dir",
+                                     str(new("no-torchrun") / "out")], None
+    out = new("bad-loss") / "out"
+    cases["train", "bad loss"] = ["--out-dir", str(out), "--loss", "nope"], out
+    cases["train", "help"] = ["--help"], None
+    cases["dry run", "qwen 7b"] = ["--dry-run", "gpu", "--model", str(QWEN_7B), "--rollout-gpus", "24",
+                                   "--train-gpus", "16", "--max-tokens-per-micro", "16384"], None
+    cases["dry run", "embedded"] = ["--dry-run", "cpu"], None
+    for i, (args, _) in enumerate(DRY_RUNS_BAD):
+        cases["dry run", i] = args, None
+    # none of torchrun's variables, whatever this process has: train.py as typed on a command line
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {key: pool.submit(train_py, *args) for key, (args, _) in cases.items()}
+        runs = {key: pool.submit(train_py, *args, env=env) for key, (args, _) in cases.items()}
     return {key: (runs[key].result(), context) for key, (_, context) in cases.items()}

@@ -1,11 +1,14 @@
 """The cited tools that start vLLM engines in their own process (bench, bench_proxy, bench_rollout --real,
-sim_vs_real), each run as its command runs (tests/toolrun.py) at tiny settings, on two real engines
-started once for this module: an engine costs ~35 s to start here, these tools would start six.
+sim_vs_real), each run as its command runs (tests/toolrun.py) at tiny settings, on two real engines: the
+session's (conftest's vllm_proxy, the same tiny model) and one more started once for this module: an engine
+costs ~35 s to start here, these tools would start six.
 
 LLMProxy.start_vllm hands a tool engine `rank` of the two (its keywords still checked against what an
-engine takes), a tool's shutdown leaves them running, and asyncio.run runs on their event loop (an engine
-serves the loop it started on). The weights a tool leaves in the engines are the next one's start; each
-tool's weight sync forms a group of its own (a new Sender), which the engines' workers join."""
+engine takes), a tool's shutdown leaves them running, and asyncio.run runs on their event loop, the
+session engine's loop thread (an engine serves the loop it started on). The weights a tool leaves in the
+engines are the next one's start; each tool's weight sync forms a group of its own (a new Sender), which the
+engines' workers join. Both start on the tiny model's weights at one version, and the session's engine
+gets them back at the end."""
 
 import asyncio
 import contextlib
@@ -17,27 +20,29 @@ import sys
 
 import pytest
 
+from test_study import restore_weights
 from toolrun import finite, last_json, run_tool
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    """(event loop, [LLMProxy of engine 0 on core 0, of engine 1 on core 1]), as bench.py starts them."""
+def engines(vllm_proxy, tiny_model_dir):
+    """(the session engine's LoopThread, [its LLMProxy: engine 0, that of engine 1 on core 1]), both with
+    bench.py's batch size (64)."""
     from proxy import LLMProxy, Sampling
-    loop = asyncio.new_event_loop()
-    proxies = []
+    lt, first = vllm_proxy
+    second = lt.run(LLMProxy.start_vllm(str(tiny_model_dir), rank=1, cpu_cores="1", max_num_seqs=64,
+                                        timeout_s=120), timeout=400)
     try:
-        for r in range(2):           # (one after the other: two starts at once in one process collide)
-            proxies.append(loop.run_until_complete(LLMProxy.start_vllm(
-                str(tiny_model_dir), rank=r, cpu_cores=str(r), max_num_seqs=64, timeout_s=120)))
-            loop.run_until_complete(proxies[-1].generate([5, 6, 7], Sampling(max_tokens=2)))   # warm
-        yield loop, proxies
+        lt.run(second.generate([5, 6, 7], Sampling(max_tokens=2)))      # warm
+        # both on the tiny model's weights at one version, as two fresh engines (the session's has served
+        # other tests: its version counts on; bench's controller starts at engine 0's)
+        restore_weights(lt, [first, second], tiny_model_dir)
+        yield lt, [first, second]
     finally:
-        for p in proxies:
-            p.shutdown()
-        loop.close()
+        second.shutdown()
+        restore_weights(lt, first, tiny_model_dir)        # (the tools trained the session engine's weights)
 
 
 def engine_keywords() -> set[str]:
@@ -55,7 +60,7 @@ def engine_keywords() -> set[str]:
 def shared(engines, monkeypatch):
     """The module's engines behind LLMProxy.start_vllm; returns the list of (rank, keywords) asked for."""
     from proxy import LLMProxy
-    loop, proxies = engines
+    lt, proxies = engines
     real_start, real_shutdown, allowed, asked = LLMProxy.start_vllm, LLMProxy.shutdown, engine_keywords(), []
 
     async def start_vllm(cls, model_dir: str, *args, **kwargs):
@@ -68,7 +73,7 @@ def shared(engines, monkeypatch):
 
     monkeypatch.setattr(LLMProxy, "start_vllm", classmethod(start_vllm))
     monkeypatch.setattr(LLMProxy, "shutdown", lambda self: None if self in proxies else real_shutdown(self))
-    monkeypatch.setattr(asyncio, "run", lambda main, **kw: loop.run_until_complete(main))
+    monkeypatch.setattr(asyncio, "run", lambda main, **kw: lt.run(main, timeout=600))
     yield asked
     from proxy import Status
     for p in proxies:               # the tool left them running, nothing in flight

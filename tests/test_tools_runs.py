@@ -110,7 +110,11 @@ def test_soak_watches_a_faulty_run_and_finds_no_leak(soak_run):
         assert finite(m["rss_mb_first"], m["rss_mb_last"], m["rss_slope_mb_per_10min"]), role
         assert m["rss_mb_first"] > 0, role
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["eval_version"] for r in rows if "eval_greedy" in r] == [5, 10]     # (tail_learning reads them)
+    # (tail_learning reads them) version 5's round lands in a later row, or, when it ends during the last
+    # step, in the log only: that row carries the final weights' round
+    evals = [r["eval_version"] for r in rows if "eval_greedy" in r]
+    log = run_dir.with_suffix(".log").read_text()
+    assert evals == [5, 10] or (evals == [10] and "evaluation of version 5" in log), evals
 
 
 def test_bench_e2e_naive_sync_and_async(jobs, tmp_path):
@@ -123,6 +127,12 @@ def test_bench_e2e_naive_sync_and_async(jobs, tmp_path):
     for name, [r] in res["runs"].items():
         assert r["steps"] == 10 and r["steps_to_target"] == 10, name
         assert finite(r["s_per_step"], r["seconds_to_target"], r["wall_s"], r["reward_first10"]), name
+    # the naive baseline trained for real (transformers' generate, then Trainer.train_step; its reply budget
+    # resolved as train.py resolves it: RolloutConfig.resolved's signature once changed under it)
+    [naive] = res["runs"]["naive"]
+    assert all(isinstance(naive[k], float)
+               for k in ("s_per_step", "wall_s", "reward_first10", "reward_last10"))
+    assert finite(naive["reward_last10"]) and naive["s_per_step"] > 0 and 0 <= naive["reward_first10"] <= 1
     # (naive_over_async_wall is left out: the system's jobs here take no time)
     ratios = {k: v for k, v in res["ratios"].items() if not k.endswith("_wall")}
     assert len(ratios) == 3 and all(finite(v) for v in ratios.values()), res["ratios"]
@@ -143,6 +153,12 @@ def test_bench_e2e_agentic_lockstep_and_system(jobs, tmp_path, monkeypatch, tiny
     assert set(res["runs"]) == {"lockstep", "sync", "async", "redundant"}
     [lock] = res["runs"]["lockstep"]
     assert lock["steps"] == 2 and finite(lock["s_per_step"], lock["turns_mean"]) and lock["turns_mean"] >= 1
+    # the lockstep baseline trained for real over the calculator env (its sandbox, injected latency,
+    # deadlines), on the tiny model; 2 steps reach no target (its window is 10)
+    assert lock["steps_to_target"] is None and lock["seconds_to_target"] is None
+    assert all(isinstance(lock[k], float) and finite(lock[k])
+               for k in ("s_per_step", "wall_s", "reward_first10", "reward_last10"))
+    assert lock["s_per_step"] > 0 and 0 <= lock["reward_first10"] <= 1 and lock["samples_dropped_failed"] >= 0
     for name in ("sync", "async", "redundant"):
         [r] = res["runs"][name]
         assert finite(r["s_per_step"], r["turns_mean"], r["samples_failed"], r["samples_surplus"]), name

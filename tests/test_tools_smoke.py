@@ -28,9 +28,7 @@ bench                          | test_tools_engines.py::test_bench_runs_every_co
 bench_agent calls              | test_tools_smoke.py::test_bench_agent_calls_measures_each_arm
 bench_agent train              | test_tools_runs.py::test_bench_agent_train_runs_the_env_and_the_agent
 bench_e2e                      | test_tools_runs.py::test_bench_e2e_naive_sync_and_async
-bench_e2e                      | test_bench_e2e.py::test_naive_baseline_trains_and_reports_its_figures
 bench_e2e --env                | test_tools_runs.py::test_bench_e2e_agentic_lockstep_and_system
-bench_e2e --env                | test_bench_e2e.py::test_lockstep_baseline_trains_on_the_calc_env
 bench_e2e --rollpacker         | test_tools_runs.py::test_bench_e2e_rollpacker_runs_its_five
 bench_lora                     | test_tools_runs.py::test_bench_lora_compares_full_and_lora_runs
 bench_proxy                    | test_tools_engines.py::test_bench_proxy_throughput_and_weight_update

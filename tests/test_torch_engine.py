@@ -242,7 +242,8 @@ def test_abort_pause_abort_and_a_closed_stream_end_requests(tiny_model_dir, hf):
 
 def test_score_equals_the_trainers_probe_and_follows_loads(tiny_model_dir, hf):
     """score() is Trainer.probe_logprobs within 1e-5, before and after the trainer's weights move and are
-    loaded; a load while a request runs unpaused, a wrong name or shape, or a missing weight is refused."""
+    loaded; a load while a request runs unpaused, a wrong name or shape, or a missing weight is refused, and a
+    sync from a weight-sync group it cannot join fails naming the group's address."""
     from buffer import PROBE_TEXT
     probe = hf[1].encode(PROBE_TEXT)
     tr = Trainer(str(tiny_model_dir), TrainConfig())
@@ -265,8 +266,8 @@ def test_score_equals_the_trainers_probe_and_follows_loads(tiny_model_dir, hf):
             with pytest.raises(ValueError):
                 engine.load_state(bad)
         from weight_sync import GroupSpec
-        with pytest.raises(ValueError, match="--weight-transport group cannot reach it"):
-            await engine.receive_weights(GroupSpec("127.0.0.1", 1, "x", 0, 2), 1, None)
+        with pytest.raises(RuntimeError, match="joining the weight-sync group at 127.0.0.1:1 failed"):
+            await engine.receive_weights(GroupSpec("127.0.0.1", 1, "x", 0, 2, timeout_s=2), 1, None)
     asyncio.run(main())
     engine.shutdown()
     engine.shutdown()                        # idempotent

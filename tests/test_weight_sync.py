@@ -211,3 +211,50 @@ def test_the_nccl_group_is_built_to_raise_in_its_waits_with_no_watchdog(monkeypa
     with pytest.raises(RuntimeError, match="ncclCommInitRank"):
         weight_sync.open_group(spec, 2, store)
     assert {k: os.environ.get(k) for k in names} == before
+
+
+def test_a_torch_engine_takes_each_sync_from_the_group_as_a_vllm_worker_does():
+    """--engine torch (ext/torch_engine.py): a TorchEngine receives every sync over the real weight-sync group
+    (this process is trainer rank 0's Sender and, in a thread, the engine's weight-sync rank 1) through
+    WeightSyncWorker's own receive, paused: two syncs of generation 0 on one group, a third on generation
+    1's new one. After each, its weights are the sender's bit for bit (the tied head with the embedding) and
+    its probe scores are the forward's of those weights; the tensors arrived in buckets (several here)."""
+    import asyncio
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ext.torch_engine import TorchEngine
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    engine = TorchEngine(Qwen2ForCausalLM(cfg).eval(), eos_token_ids={1})
+    trainer = Qwen2ForCausalLM(cfg).eval()              # another draw: the weights the syncs bring
+    sender = Sender(timeout_s=60, bucket_bytes=4096)
+    ids = list(range(2, 30))
+
+    async def main():
+        groups = []
+        for k, spec in enumerate([sender.spec(0, 1), sender.spec(0, 1), sender.spec(1, 1)]):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.01)
+            named = [(n, t) for n, t in trainer.state_dict().items() if n != "lm_head.weight"]
+            layout = weight_layout(named)
+            await engine.pause("keep")
+            _, [timings] = await asyncio.gather(asyncio.to_thread(sender.send, spec, iter(named), layout),
+                                                engine.receive_weights(spec, 1, layout))
+            await engine.resume()
+            assert timings["tensors"] == len(named) and timings["total_s"] >= timings["wait_s"] >= 0
+            own = engine.model.state_dict()
+            assert all(torch.equal(own[n], t) for n, t in named)
+            assert torch.equal(own["lm_head.weight"], own["model.embed_tokens.weight"])
+            with torch.no_grad():
+                logits = trainer(input_ids=torch.tensor([ids])).logits[0, :-1]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            assert (torch.tensor(await engine.score(ids)) - want).abs().max().item() < 1e-5, k
+            groups.append(engine._sync_worker._sync_pg)
+        return groups
+    assert len(plan_buckets(weight_layout(list(trainer.state_dict().items())), 4096)) > 3
+    g0, g0_again, g1 = asyncio.run(main())
+    assert g0 is g0_again and g1 is not g0 and sender.gen == 1
