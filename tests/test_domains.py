@@ -23,6 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "domains.yaml"
 
 
+@pytest.fixture(autouse=True)
+def envs_restored():
+    """A run with --domains adds ENVS["domain:NAME"] in its process: each test here leaves rollout.ENVS as it
+    found it (another file's test builds every env of the registry)."""
+    from rollout import ENVS
+    before = dict(ENVS)
+    yield
+    ENVS.clear()
+    ENVS.update(before)
+
+
 def write(tmp_path, text: str, name: str = "d.yaml") -> str:
     p = tmp_path / name
     p.write_text(text)

@@ -41,9 +41,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_collate_alignment_gives_ratio_one_on_policy(tiny_model_dir):
-    samples = make_samples(tiny_model_dir)
-    tr = Trainer(str(tiny_model_dir), TrainConfig(loss="ppo"))
+@pytest.mark.fast
+def test_collate_alignment_gives_ratio_one_on_policy(random_model_dir):
+    samples = make_samples(random_model_dir)
+    tr = Trainer(str(random_model_dir), TrainConfig(loss="ppo"))
     t = collate(samples, "cpu")
     with torch.no_grad():
         logp = token_logprobs(tr.model, t["input_ids"], t["attn"])
@@ -52,10 +53,11 @@ def test_collate_alignment_gives_ratio_one_on_policy(tiny_model_dir):
     assert t["mask"][:, :4].sum().item() == 0          # prompt tokens never count
 
 
-def test_train_step_moves_logprobs_along_advantages(tiny_model_dir):
-    samples = make_samples(tiny_model_dir)
+@pytest.mark.fast
+def test_train_step_moves_logprobs_along_advantages(random_model_dir):
+    samples = make_samples(random_model_dir)
     adv = [1.0, -1.0, 1.0, -1.0]
-    tr = Trainer(str(tiny_model_dir), TrainConfig(loss="ppo", lr=1e-3))
+    tr = Trainer(str(random_model_dir), TrainConfig(loss="ppo", lr=1e-3))
     t = collate(samples, "cpu")
     with torch.no_grad():
         before = (token_logprobs(tr.model, t["input_ids"], t["attn"]) * t["mask"]).sum(1)
@@ -594,11 +596,13 @@ def test_grad_checkpointing_recomputes_to_the_same_gradient(tiny_model_dir):
                                       (dict(max_tokens_per_micro=-1), "--max-tokens-per-micro"),
                                       (dict(logits_chunk=0), "--logits-chunk"),
                                       (dict(kl_coef=-1.0), "--kl-coef")])
+@pytest.mark.fast
 def test_bad_scale_settings_name_their_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         TrainConfig(**kw)
 
 
+@pytest.mark.fast
 def test_auto_settings_follow_the_device():
     assert (TrainConfig().resolved("cpu").precision, TrainConfig().resolved("cpu").grad_checkpointing) == \
         ("fp32", "off")
@@ -607,6 +611,7 @@ def test_auto_settings_follow_the_device():
     assert TrainConfig(precision="fp32").resolved("cuda").precision == "fp32"
 
 
+@pytest.mark.fast
 def test_probe_diff_is_judged_at_the_runs_precision():
     import dataclasses
 
@@ -641,6 +646,7 @@ WANT = {"version": [[0, 0, 0, 5, 5, 0, 0, 7, 7], [0, 6, 8, 0, 0, 0, 0, 0, 0]],
         "teacher_logp": [[0, 0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4], [0, -1.0, -2.0, 0, 0, 0, 0, 0, 0]]}
 
 
+@pytest.mark.fast
 def test_collate_puts_each_tokens_version_lag_and_fields_on_the_mask_columns():
     t = collate(field_samples(), "cpu", version=8)
     assert t["mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0]]
@@ -650,6 +656,7 @@ def test_collate_puts_each_tokens_version_lag_and_fields_on_the_mask_columns():
     assert "lag" not in collate(field_samples(), "cpu")["fields"]          # no trainer version: no lag
 
 
+@pytest.mark.fast
 def test_a_sample_without_a_field_its_micro_batch_has_is_named():
     two, one = field_samples()
     one.token_fields = {}

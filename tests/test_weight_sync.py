@@ -63,6 +63,7 @@ def start_workers(specs, layout, out, ranks=(1, 2), die=None):
     return procs
 
 
+@pytest.mark.fast
 def test_bucket_plan_covers_every_weight_in_order_one_dtype_per_bucket():
     layout = weight_layout(NAMED)
     plan = plan_buckets(layout, 4096)
