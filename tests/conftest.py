@@ -81,8 +81,57 @@ def close_shared_engine():
         lt.close()
 
 
+# The models only a few tests need, built from scratch on one core: the distillation tests' teacher (~30 s)
+# and the judge tests' judge (~200 s). Each is built by a process of its own, started at collection when a
+# selected test needs it and run at low priority while the other tests run (most of them keep one core
+# busy, not two); the fixture waits for its build, then reuses it (tiny_model.ensure_tiny_model: cached).
+# A background build that failed is built again by the fixture, in the foreground, where its error shows.
+BUILDS = {"distill_teacher": "import conftest; conftest.build_test_teacher()",
+          "judge_dir": "import ext.judge; ext.judge.ensure_tiny_judge(log=lambda *a: None, test=True)"}
+BACKGROUND: dict = {}            # fixture name -> the Popen building its model
+
+
+def build_test_teacher() -> Path:
+    """The distillation tests' teacher (.cache/tiny-teacher-test): the student's architecture, another seed,
+    a shorter warm start (cheap to build, cached): what the student's teacher_kl can fall towards."""
+    import tiny_model
+    return tiny_model.ensure_tiny_model(ROOT / ".cache" / "tiny-teacher-test",
+                                        tiny_model.TinyConfig(seed=2, sft_steps=300), log=lambda *a: None)
+
+
+def start_builds(items):
+    import subprocess
+    wanted = {name for i in items for name in BUILDS if name in getattr(i, "fixturenames", ())}
+    if os.environ.get("JUDGE_DIR"):              # (test_judge.py's judge_dir: another judge, not the tests')
+        wanted.discard("judge_dir")
+    for name in sorted(wanted):
+        BACKGROUND[name] = subprocess.Popen(
+            [sys.executable, "-c", BUILDS[name]], cwd=ROOT / "tests", stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            preexec_fn=lambda: os.nice(10))
+
+
+def wait_for_build(name: str, timeout_s: float = 1200):
+    """Block until the background build of fixture `name`'s model (if any) has ended."""
+    import subprocess
+    p = BACKGROUND.pop(name, None)
+    if p is not None:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise RuntimeError(f"conftest: the background build for fixture {name} did not end in "
+                               f"{timeout_s:.0f} s")
+
+
+def pytest_sessionfinish(session):
+    for p in BACKGROUND.values():     # (a session that ended before a fixture waited for its build)
+        p.kill()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
+    start_builds(items)
     users = [i for i in items if "vllm_proxy" in getattr(i, "fixturenames", ())]
     SHARED_ENGINE["last"] = users[-1] if users else None
     for item in items:        # (a JUnit report's properties: tools/suite_times.py tells the tiers apart)

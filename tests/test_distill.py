@@ -332,11 +332,10 @@ def test_a_teacher_whose_context_cannot_hold_the_longest_request_is_refused(tmp_
 
 @pytest.fixture(scope="session")
 def distill_teacher() -> Path:
-    """A teacher unlike the student (another seed, a shorter warm start: cheap to build, cached): what the
-    student's teacher_kl can fall towards."""
-    import tiny_model
-    return tiny_model.ensure_tiny_model(ROOT / ".cache" / "tiny-teacher-test",
-                                        tiny_model.TinyConfig(seed=2, sft_steps=300), log=lambda *a: None)
+    """conftest.build_test_teacher's model (built in the background from collection on)."""
+    from conftest import build_test_teacher, wait_for_build
+    wait_for_build("distill_teacher")
+    return build_test_teacher()
 
 
 STEPS, EVAL_EVERY = 14, 7

@@ -470,7 +470,9 @@ def judge_dir() -> Path:
     the dir JUDGE_DIR names (JUDGE_DIR=.cache/tiny-judge: the embedded judge, built on first use)."""
     import os
 
+    from conftest import wait_for_build
     from ext.judge import TEST_JUDGE, TINY_JUDGE, ensure_tiny_judge
+    wait_for_build("judge_dir")        # (the tests' judge: built in the background from collection on)
     chosen = Path(os.environ.get("JUDGE_DIR", TEST_JUDGE)).resolve()
     if chosen in (TINY_JUDGE, TEST_JUDGE):
         return ensure_tiny_judge(log=lambda *a: None, test=chosen == TEST_JUDGE)
