@@ -5,6 +5,7 @@ response token by token, and the student learns the per-token reverse KL to it, 
     bash run.sh --teacher .cache/tiny-teacher --teacher-gpus 1 --distill-coef 1 --reward none \
         --no-filter-groups                                                            # distillation alone
     python -m ext.distill --build                                                     # build the tiny teacher
+    python -m ext.distill --build --near         # a teacher within reach: the student + 500 supervised steps
 
 The objective (Agarwal et al. 2023, GKD; Thinking Machines' "On-Policy Distillation", 2025): per model token,
 
@@ -292,15 +293,28 @@ def ensure_tiny_teacher(log=print, force: bool = False) -> Path:
                                         force=force, log=log)
 
 
+def ensure_near_teacher(log=print, force: bool = False) -> Path:
+    """Build (or reuse) .cache/tiny-teacher-near: a teacher within the student's reach, the embedded student
+    (.cache/tiny-qwen2) plus 500 supervised steps on another seed's problems (results/README.md, "On-policy
+    distillation": how fast the student matches a teacher this close)."""
+    import tiny_model
+    student = tiny_model.ensure_tiny_model(log=log)
+    return tiny_model.ensure_tiny_model(student.parent / "tiny-teacher-near",
+                                        tiny_model.TinyConfig(seed=3, sft_steps=500, init_from=student.name),
+                                        force=force, log=log)
+
+
 if __name__ == "__main__":
     import argparse
     import json
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="build (or reuse) .cache/tiny-teacher")
     ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap.add_argument("--near", action="store_true",
+                    help="with --build: .cache/tiny-teacher-near (the student plus 500 supervised steps)")
     ap.add_argument("--quiet", action="store_true", help="print nothing when the cached teacher is reused")
     args = ap.parse_args()
-    if args.build:
-        path = ensure_tiny_teacher(force=args.force)             # (a build logs its progress either way)
+    if args.build:                                               # (a build logs its progress either way)
+        path = (ensure_near_teacher if args.near else ensure_tiny_teacher)(force=args.force)
         if not args.quiet:
             print(json.dumps(json.loads((path / "build.json").read_text()), indent=2))
