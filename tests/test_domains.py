@@ -399,28 +399,75 @@ def test_the_figures_per_domain_and_the_held_out_set(tmp_path):
 # a real run
 
 
-def test_a_short_run_of_the_example_tracks_every_domain_in_every_row(tmp_path, tiny_model_dir):
-    """python train.py (one process, the plain-torch engine) with examples/domains.yaml: every row has both
-    domains, each step's trained share within one group of the weight (quota), no failed sample, held-out
-    figures per domain, the summary's domain lines; tools.plot draws a panel per domain."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory, tiny_model_dir):
+    """(out dir, metrics rows, stdout) of python train.py (one process, the plain-torch engine) with
+    examples/domains.yaml, 6 steps."""
+    out = tmp_path_factory.mktemp("example") / "run"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    flags = ["--domains", str(EXAMPLE), "--steps", "4", "--batch-groups", "10", "--group-size", "4",
-             "--eval-every", "4", "--eval-prompts", "4", "--eval-k", "1", "--no-filter-groups",
+    flags = ["--domains", str(EXAMPLE), "--steps", "6", "--batch-groups", "10", "--group-size", "4",
+             "--eval-every", "6", "--eval-prompts", "4", "--eval-k", "1", "--no-filter-groups",
              "--save-every", "0", "--out-dir", str(out)]
     r = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 4
+    return out, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+
+
+def test_a_short_run_of_the_example_tracks_every_domain_in_every_row(example_run):
+    """python train.py (one process, the plain-torch engine) with examples/domains.yaml: every row has both
+    domains, each step's trained share within one group of the weight (quota), no failed sample, held-out
+    figures per domain, the summary's domain lines; tools.plot draws a panel per domain."""
+    out, rows, stdout = example_run
+    assert len(rows) == 6
     for row in rows:
         assert abs(row["domain/arith/share"] - 0.6) < 1 / 10 and abs(row["domain/chain/share"] - 0.4) < 1 / 10
         assert row["domain/arith/failed"] == row["domain/chain/failed"] == 0
         assert row["domain/chain/time_mean"] > 0 and row["domain/arith/length_mean"] > 0
     assert {"domain/arith/eval_greedy", "domain/chain/eval_greedy"} <= set(rows[-1])
-    assert "domains (" in r.stdout and "  domain     arith: share" in r.stdout and "arith 0.6" in r.stdout
+    assert "domains (" in stdout and "  domain     arith: share" in stdout and "arith 0.6" in stdout
     from tools.plot import PlotConfig, plot_run
     written = plot_run(PlotConfig(run_dir=str(out)))
     titles = written[str(out / "domains.png")]
     assert [t.split(":")[0] for t in titles] == ["arith", "chain"]
+
+
+def test_the_study_writes_its_tables_from_its_runs(example_run, tmp_path, monkeypatch):
+    """python -m tools.domains_study as its command runs, small: the simulator part at 16 groups a step, and
+    the real part's torchrun jobs, each checked against train.py's parser and answered with the example
+    run's rows (what the study reads back is what train.py writes today): both tables, the cost lines, the
+    picture, every run in the JSON."""
+    import contextlib
+    import io
+
+    import tools.jobs
+    from config import parse_cli
+    from tools import domains_study
+    from train import Config
+    _, rows, _ = example_run
+    launched = []
+
+    def run_to_end(cmd, out, who, timeout_s):
+        cfg = parse_cli(Config, cmd[cmd.index("train.py") + 1:])
+        launched.append((cfg.controller.async_ratio, cfg.ext["domains"].domain_mix))
+        return rows
+    monkeypatch.setattr(tools.jobs, "run_to_end", run_to_end)
+    out = tmp_path / "domains"
+    with contextlib.redirect_stdout(io.StringIO()):
+        domains_study.main(["--ratios", "0", "2", "--steps", "5", "--batch-groups", "16", "--real-steps", "6",
+                            "--out", str(out)])
+    assert launched == [(0, "quota"), (0, "admit"), (2, "quota"), (2, "admit")]
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["part"], r["ratio"], r["mix"]) for r in results] == (
+        [("sim", r, m) for r in (0, 2) for m in ("quota", "quota/weight", "admit")]
+        + [("real", r, m) for r in (0, 2) for m in ("quota", "admit")])
+    for r in results:
+        assert set(r["domains"]) == ({"long", "short"} if r["part"] == "sim" else {"arith", "chain"})
+        assert math.isfinite(r["step_s"]) and r["step_s"] > 0
+        assert all(0 <= d["share"] <= 1 and 0 <= d["share_err_mean"] <= d["share_err_max"] <= 1
+                   for d in r["domains"].values())
+    md = out.with_suffix(".md").read_text()
+    assert "## Simulator, 128 GPUs" in md and "## Real CPU engines" in md
+    assert md.count("- ratio 0: the quota costs") == 2 and md.count("- ratio 2: the quota costs") == 2
+    assert out.with_suffix(".png").stat().st_size > 10_000

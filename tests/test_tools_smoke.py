@@ -44,6 +44,7 @@ bench_weight_sync --before     | test_tools_runs.py::test_bench_weight_sync_tran
 bench_weight_sync --transports | test_tools_runs.py::test_bench_weight_sync_transports_and_before
 core_lines                     | test_core_lines.py::test_the_tool_counts_every_root_module
 distill_study                  | test_distill.py::test_distill_study_writes_its_three_tables
+domains_study                  | test_domains.py::test_the_study_writes_its_tables_from_its_runs
 gpu_check                      | test_gpu_check.py::test_tiny_mode_runs_every_check_on_cpu_without_vllm
 judge_study                    | test_judge.py::test_judge_study_writes_its_tables
 plot                           | test_plot.py::test_the_command_line_takes_the_run_dir
