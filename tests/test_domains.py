@@ -18,6 +18,7 @@ import pytest
 
 from ext import domains as dm
 from task import Problem
+from test_sim import holding_bound_recorder
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "domains.yaml"
@@ -183,23 +184,6 @@ def small(alpha: int, steps: int = 10, batch_groups: int = 16):
 
 
 LONG_SHORT = [dm.Domain("long", "embedded", 0.5, index=0), dm.Domain("short", "embedded", 0.5, index=1)]
-
-
-def holding_bound_recorder(held: list):
-    """setup(ctrl): after every admission, the groups holding places (as tests/test_sim.py counts them)."""
-    from buffer import Lost
-
-    def setup(ctrl):
-        admit = ctrl.admit
-
-        async def admit_and_count(at_least=0):
-            n = await admit(at_least)
-            a = ctrl.assembler
-            lost = a.groups_filtered + sum(getattr(a, f"groups_{why}") for why in Lost)
-            held.append(ctrl.groups_admitted - lost - ctrl.taken_before_step)
-            return n
-        ctrl.admit = admit_and_count
-    return setup
 
 
 @pytest.mark.parametrize("alpha", [0, 2])

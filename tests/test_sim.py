@@ -230,6 +230,24 @@ def test_batch_rollout_runs_one_round_a_step_when_filtering_leaves_a_batch():
     assert admitted == [24] * 6
 
 
+def holding_bound_recorder(held: list, queued: list | None = None):
+    """setup(ctrl) for sim.simulate: after every admission, the groups holding places (admitted, neither lost
+    nor trained by an earlier step) into held, and the tasks queued into queued."""
+    def setup(ctrl):
+        admit = ctrl.admit
+
+        async def admit_and_count(at_least=0):
+            n = await admit(at_least)
+            a = ctrl.assembler
+            lost = a.groups_filtered + sum(getattr(a, f"groups_{why}") for why in Lost)
+            held.append(ctrl.groups_admitted - lost - ctrl.taken_before_step)
+            if queued is not None:
+                queued.append(ctrl.buffer.num_queued_tasks())
+            return n
+        ctrl.admit = admit_and_count
+    return setup
+
+
 @pytest.mark.parametrize("alpha", [0, 1])
 def test_short_steps_keep_the_admission_bound(alpha):
     """--max-gen-batches 1 --on-max-gen-batches train: most steps end short of B groups (dynamic filtering
@@ -241,19 +259,7 @@ def test_short_steps_keep_the_admission_bound(alpha):
     cfg = replace(TINY, batch_groups=B, group_size=G, redundant=R, async_ratio=alpha, max_gen_batches=1,
                   on_max_gen_batches="train", steps=40, warmup=1, len_median=400, chunk=256)
     bound, held, queued = (alpha + 1) * B + R, [], []
-
-    def setup(ctrl):
-        admit = ctrl.admit
-
-        async def admit_and_count(at_least=0):
-            n = await admit(at_least)
-            a = ctrl.assembler
-            lost = a.groups_filtered + sum(getattr(a, f"groups_{why}") for why in Lost)
-            held.append(ctrl.groups_admitted - lost - ctrl.taken_before_step)
-            queued.append(ctrl.buffer.num_queued_tasks())
-            return n
-        ctrl.admit = admit_and_count
-    r = sim.simulate(cfg, setup=setup)
+    r = sim.simulate(cfg, setup=holding_bound_recorder(held, queued))
     short = [row for row in r["rows"] if row["num_samples"] < B * G]
     assert len(short) >= 10                      # the bound is exercised: many steps trained fewer groups
     assert max(held) <= bound, (max(held), bound)
