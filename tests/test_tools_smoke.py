@@ -268,3 +268,35 @@ def test_bench_rollout_before_compares_two_trees(tmp_path):
         [row] = r["rows"]
         assert row["samples"] > 0 and finite(row["tokens_per_s"], row["rank_cpu_ms_per_1k_tokens"]), r["name"]
     assert "| tokens/s delivered |" in out and "rank CPU per 1,000 tokens, before / now:" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# suite_times: results/suite.md from JUnit reports
+
+
+@pytest.mark.fast
+def test_suite_times_tells_the_tiers_and_files_apart(tmp_path):
+    """Two JUnit reports as pytest writes them (a test's markers in its properties, as tests/conftest.py
+    records them): per-tier totals, per file the tests, seconds and slowest test, the fast ones counted."""
+    def case(cls, name, secs, markers, extra=""):
+        return (f'<testcase classname="tests.{cls}" name="{name}" time="{secs}"><properties><property '
+                f'name="markers" value="{markers}"/></properties>{extra}</testcase>')
+    full = tmp_path / "full.xml"
+    full.write_text('<testsuites><testsuite time="100.5">'
+                    + case("test_a", "test_one", 60, "engine") + case("test_a", "test_two", 0.5, "fast")
+                    + case("test_b", "test_three", 30, "", '<skipped message="no GPU"/>')
+                    + case("test_b", "test_four", 2, "fast", '<failure message="x"/>')
+                    + "</testsuite></testsuites>")
+    fast = tmp_path / "fast.xml"
+    fast.write_text('<testsuites><testsuite time="3.0">' + case("test_a", "test_two", 0.4, "fast")
+                    + case("test_b", "test_four", 1.9, "fast") + "</testsuite></testsuites>")
+    out = tmp_path / "suite.md"
+    run_tool("tools.suite_times", [str(full), str(fast), "--out", str(out), "--how", "a test"])
+    md = out.read_text()
+    assert "by a test." in md
+    assert "| the whole suite | 4 (2 passed, 1 skipped, 1 failed) | 100 (1.7 min) |" in md
+    assert "| the quick tier (`-m fast`) | 2 | 3 |" in md
+    assert "| tests marked engine (real vLLM), in the whole suite | 1 | 60 |" in md
+    assert "| test_a.py | 2 | 60.5 | test_one (60.0) | 1 | 0.5 |" in md
+    assert "| test_b.py | 2 | 32.0 | test_three (30.0) | 1 | 2.0 |" in md
+    assert md.index("test_a.py") < md.index("test_b.py")

@@ -2,7 +2,8 @@
 
     python -m tools.suite_times --run      # the quick tier, then the whole suite (each as run.sh runs it,
                                            # JUnit reports to /tmp), then results/suite.md
-    python -m tools.suite_times FULL.xml [FAST.xml] --out results/suite.md    # from reports written before
+    python -m tools.suite_times FULL.xml [FAST.xml] --how TEXT --out results/suite.md   # from reports written
+                                           # before (--how: how they were made, e.g. on a fresh clone)
 
 A report is pytest's JUnit XML (--junitxml); a test's seconds are its set-up, call and tear-down together,
 so a session fixture's build (a model) counts in the first test that uses it. The markers of each test (fast,
@@ -22,6 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RUN_HOW = ("`python -m tools.suite_times --run`: the quick tier (`bash run.sh test fast`), then the whole "
+           "suite (`bash run.sh test`, the README's and CI's command), set-up done beforehand")
+
+
 def read(report: Path) -> tuple[list[dict], float]:
     """([{file, name, seconds, outcome, markers}], the run's wall seconds as pytest measured them)."""
     root = ET.parse(report).getroot()
@@ -38,7 +43,9 @@ def read(report: Path) -> tuple[list[dict], float]:
     return tests, float(suite.get("time") or 0)
 
 
-def table(full: list[dict], wall: float, fast: list[dict] | None, fast_wall: float | None, when: str) -> str:
+def table(full: list[dict], wall: float, fast: list[dict] | None, fast_wall: float | None, when: str,
+          how: str = "") -> str:
+    how = how or RUN_HOW
     by_file: dict[str, list[dict]] = collections.defaultdict(list)
     for t in full:
         by_file[t["file"]].append(t)
@@ -47,10 +54,8 @@ def table(full: list[dict], wall: float, fast: list[dict] | None, fast_wall: flo
     lines = [
         "# The test suite's time",
         "",
-        f"Measured {when} on this machine (2 cores, no GPU) by `python -m tools.suite_times --run`: the "
-        "quick tier (`bash run.sh test fast`), then the whole suite (`bash run.sh test`, the README's and "
-        "CI's command), set-up done beforehand. A test's seconds include its fixtures' set-up (a model "
-        "build counts in the first test that uses it).",
+        f"Measured {when} on this machine (2 cores, no GPU) by {how}. A test's seconds include its "
+        "fixtures' set-up (a model build counts in the first test that uses it).",
         "",
         "| tier | tests | seconds (pytest's wall clock) |",
         "|---|---:|---:|",
@@ -89,6 +94,7 @@ def main(argv=None):
     ap.add_argument("reports", nargs="*", help="FULL.xml [FAST.xml]: JUnit reports of the suite and the tier")
     ap.add_argument("--run", action="store_true", help="run both tiers first (reports under /tmp)")
     ap.add_argument("--out", default=str(ROOT / "results" / "suite.md"))
+    ap.add_argument("--how", default=RUN_HOW, help="with reports: how they were made (the first line)")
     args = ap.parse_args(argv)
     if args.run:
         fast_xml, full_xml = Path("/tmp/suite-fast.xml"), Path("/tmp/suite-full.xml")
@@ -101,7 +107,7 @@ def main(argv=None):
     full, wall = read(Path(args.reports[0]))
     fast, fast_wall = read(Path(args.reports[1])) if len(args.reports) > 1 else (None, None)
     when = datetime.datetime.fromtimestamp(Path(args.reports[0]).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
-    text = table(full, wall, fast, fast_wall, when)
+    text = table(full, wall, fast, fast_wall, when, args.how)
     Path(args.out).write_text(text)
     print(text)
 
