@@ -555,9 +555,8 @@ class GroupAssembler:
         # (version, id) into closed/lost; id -> its latest such version
         self.resolved: collections.deque[tuple[int, str]] = collections.deque()
         self.resolved_at: dict[str, int] = {}
-        self.samples_surplus = 0
-        self.groups_completed = 0         # groups that reached group_size samples (kept or filtered)
-        self.groups_filtered = 0
+        # groups_completed: groups that reached group_size samples (kept or filtered)
+        self.samples_surplus = self.groups_completed = self.groups_filtered = 0
         for why in Lost:
             setattr(self, f"samples_{why}", 0)
             setattr(self, f"groups_{why}", 0)
@@ -661,7 +660,8 @@ class GroupAssembler:
         if self.order == "freshest":     # stable: equally fresh groups stay in completion order
             self.ready.sort(key=lambda g: -min(s.oldest_version for s in g))
         out = (policy.eligible(self.ready) if policy else self.ready)[:num_groups]
-        self.ready = [g for g in self.ready if all(g is not o for o in out)]
+        taken = {id(g) for g in out}                  # (by identity: two groups may hold equal samples)
+        self.ready = [g for g in self.ready if id(g) not in taken]
         return out
 
     def num_ready(self) -> int:
